@@ -1,0 +1,6 @@
+"""clipshard: sharded, fused CLIP contrastive loss, stochastic rounding and half-precision AdamW."""
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
+
+__version__ = "0.1.0"

@@ -1,0 +1,34 @@
+// Operator schemas of clipshard (the kernels live in csrc/cpu and csrc/cuda), and the Python module
+// stub that lets `import clipshard._C` load them.
+#include <Python.h>
+#include <torch/library.h>
+
+extern "C" {
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(clipshard, m) {
+  // Stochastic rounding of fp32 to fp16/bf16 (docs/stochastic_rounding.md). `seed` and `offset`
+  // are the Philox key and counter high word, passed as int64 bit patterns of uint64 values.
+  m.def("stochastic_round(Tensor src, ScalarType dtype, int seed, int offset, bool saturate) -> Tensor");
+  m.def("stochastic_round_into(Tensor(a!) dst, Tensor src, int seed, int offset, bool saturate) -> ()");
+
+  // Fused similarity + online log-sum-exp (docs/fused_loss.md). S = scale * rows @ cols^T (+ bias).
+  // Forward: row_lse[i] = logsumexp_j S[i, j]; pos_logit[i] = S[i, pos_offset + i]; col_lse[j] =
+  // logsumexp_i S[i, j] over these rows when want_col_lse, else an empty tensor. Never stores S.
+  m.def(
+      "contrastive_lse_forward(Tensor rows, Tensor cols, Tensor scale, Tensor? bias, int pos_offset, "
+      "bool want_col_lse, bool allow_tf32, bool tensor_cores) -> (Tensor row_lse, Tensor pos_logit, "
+      "Tensor col_lse)");
+  // Backward: dS[i, j] = grad_row_lse[i] * exp(S[i, j] - row_lse[i])
+  //                    + grad_col_lse[j] * exp(S[i, j] - col_lse[j]) + grad_pos_logit[i] * [j == pos(i)],
+  // recomputed tile by tile; returns (d rows, d cols, d scale, d bias).
+  m.def(
+      "contrastive_lse_backward(Tensor grad_row_lse, Tensor grad_pos_logit, Tensor? grad_col_lse, "
+      "Tensor rows, Tensor cols, Tensor scale, Tensor? bias, int pos_offset, Tensor row_lse, "
+      "Tensor? col_lse, bool allow_tf32, bool tensor_cores, bool deterministic) -> (Tensor grad_rows, "
+      "Tensor grad_cols, Tensor grad_scale, Tensor grad_bias)");
+}

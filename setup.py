@@ -1,0 +1,118 @@
+"""Builds clipshard._C: C++ CPU kernels always, CUDA kernels when a CUDA toolkit and a CUDA build
+of torch are present (FORCE_CUDA=1 forces them, USE_CUDA=0 skips them)."""
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_ARCHS = "8.0;9.0"  # used when no GPU is visible at build time
+
+
+def _real_toolkit(path):
+    return path if path and os.path.isfile(os.path.join(path, "bin", "nvcc")) and \
+        os.path.isfile(os.path.join(path, "include", "cuda_runtime.h")) else None
+
+
+def find_cuda_home():
+    """CUDA_HOME/CUDA_PATH if set; else the toolkit behind the nvcc on PATH, following symlinks
+    and wrapper scripts (an `exec /opt/cuda/bin/nvcc "$@"` script is common); else /usr/local/cuda*."""
+    for var in ("CUDA_HOME", "CUDA_PATH"):
+        if _real_toolkit(os.environ.get(var)):
+            return os.environ[var]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        nvcc = os.path.realpath(nvcc)
+        home = _real_toolkit(os.path.dirname(os.path.dirname(nvcc)))
+        if home and open(nvcc, "rb").read(2) != b"#!":
+            return home
+        if open(nvcc, "rb").read(2) == b"#!":  # a wrapper script: look for the real nvcc it runs
+            for target in re.findall(r"(/\S+)/bin/nvcc\b", open(nvcc, errors="replace").read()):
+                if _real_toolkit(target):
+                    return target
+    for home in sorted(glob.glob("/usr/local/cuda*"), reverse=True):
+        if _real_toolkit(home):
+            return home
+    return None
+
+
+def nvcc_version(cuda_home):
+    out = subprocess.run([os.path.join(cuda_home, "bin", "nvcc"), "--version"],
+                         capture_output=True, text=True).stdout
+    match = re.search(r"release (\d+\.\d+)", out)
+    return match.group(1) if match else "unknown"
+
+
+def decide_cuda():
+    """Returns (cuda_home or None, reason)."""
+    import torch
+
+    if os.environ.get("USE_CUDA", "1") == "0":
+        return None, "USE_CUDA=0"
+    force = os.environ.get("FORCE_CUDA", "0") == "1"
+    cuda_home = find_cuda_home()
+    problem = None
+    if torch.version.cuda is None:
+        problem = f"torch {torch.__version__} is a CPU-only build"
+    elif cuda_home is None:
+        problem = "no CUDA toolkit (nvcc) found; set CUDA_HOME"
+    if problem and force:
+        sys.exit(f"clipshard: FORCE_CUDA=1 but {problem}")
+    return (None, problem) if problem else (cuda_home, "FORCE_CUDA=1" if force else "CUDA toolkit found")
+
+
+def extra_cuda_includes():
+    """cuBLAS/cuRAND headers ship with torch's nvidia wheels when the toolkit lacks them."""
+    import site
+
+    dirs = []
+    for base in site.getsitepackages() + [site.getusersitepackages()]:
+        dirs += glob.glob(os.path.join(base, "nvidia", "cu*", "include"))
+        dirs += glob.glob(os.path.join(base, "nvidia", "*", "include"))
+    return [d for d in dirs if os.path.isdir(d)]
+
+
+def build_extension():
+    cuda_home, reason = decide_cuda()
+    if cuda_home:
+        os.environ["CUDA_HOME"] = cuda_home  # before cpp_extension computes its own guess
+    from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+    import torch
+
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    include_dirs = [os.path.join(ROOT, "csrc", "include")]
+    cxx_flags = ["-O3", "-fopenmp"] if sys.platform != "darwin" else ["-O3"]
+    if cuda_home is None:
+        print(f"clipshard: building CPU kernels only ({reason}); torch {torch.__version__}")
+        ext = CppExtension("clipshard._C", sources, include_dirs=include_dirs,
+                           extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"])
+        return ext, BuildExtension
+
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
+        visible = torch.cuda.is_available() and torch.cuda.device_count() > 0
+        if not visible:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "the visible GPUs")
+    print(f"clipshard: building CPU + CUDA kernels for {archs} ({reason}; nvcc "
+          f"{nvcc_version(cuda_home)} at {cuda_home}; torch {torch.__version__})")
+    sources += sorted(glob.glob("csrc/cuda/*.cu"))
+    ext = CUDAExtension(
+        "clipshard._C", sources,
+        include_dirs=include_dirs + extra_cuda_includes(),
+        define_macros=[("CLIPSHARD_WITH_CUDA", "1")],
+        extra_compile_args={"cxx": cxx_flags,
+                            "nvcc": ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]},
+        extra_link_args=["-fopenmp"])
+    return ext, BuildExtension
+
+
+ext, build_ext_cls = build_extension()
+setup(
+    packages=find_packages(include=["clipshard", "clipshard.*"]),
+    ext_modules=[ext],
+    cmdclass={"build_ext": build_ext_cls.with_options(use_ninja=True)},
+)
