@@ -81,15 +81,16 @@ def resolve_group(fn, group, world_size=None):
 # raise too (with the description) instead of waiting in a collective.
 _LOCAL_PROBLEMS = {
     1: "image_features and text_features must be 2-D",
-    2: "image_features and text_features must have the same shape",
-    3: "image_features and text_features must have the same dtype",
-    4: "image_features and text_features must be on the same device",
+    2: "image_features and text_features must have the same dtype",
+    3: "image_features and text_features must be on the same device",
+    4: "image_features and text_features must have the same shape",
     5: "features must be fp32, fp16, bf16 or fp64",
     6: "features must be on a CPU or CUDA device",
     7: "the local batch must not be empty",
     8: "logit_scale must be a tensor with one element on the features' device",
     9: "logit_bias must be None or a tensor with one element on the features' device",
 }
+_TYPE_PROBLEMS = (2, 5)  # raised as TypeError on the rank that has them, ValueError otherwise
 
 
 def _local_problem(image, text, scale, bias):
@@ -99,13 +100,13 @@ def _local_problem(image, text, scale, bias):
         return code, f"{_LOCAL_PROBLEMS[code]}, got {detail}"
 
     if image.dim() != 2 or text.dim() != 2:
-        return fail(1, f"{tuple(image.shape)} and {tuple(text.shape)}")
-    if image.shape != text.shape:
-        return fail(2, f"{tuple(image.shape)} and {tuple(text.shape)}")
+        return fail(1, f"shapes {tuple(image.shape)} and {tuple(text.shape)}")
     if image.dtype != text.dtype:
-        return fail(3, f"{image.dtype} and {text.dtype}")
+        return fail(2, f"{image.dtype} and {text.dtype}")
     if image.device != text.device:
-        return fail(4, f"{image.device} and {text.device}")
+        return fail(3, f"{image.device} and {text.device}")
+    if image.shape != text.shape:
+        return fail(4, f"{tuple(image.shape)} and {tuple(text.shape)}")
     if image.dtype not in _DTYPE_CODES:
         return fail(5, f"{image.dtype}")
     if image.device.type not in _DEVICE_CODES:
@@ -147,11 +148,11 @@ def shard_layout(fn, image, text, scale, bias, group, *, config=0, rank_arg=None
     code, message = _local_problem(image, text, scale, bias)
     if group is None:
         if code:
-            raise ValueError(f"{fn}: {message}")
+            raise (TypeError if code in _TYPE_PROBLEMS else ValueError)(f"{fn}: {message}")
         return single_process_layout(image.shape[0])
 
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    shape_ok = code == 0 or code > 2  # codes 1 and 2 mean the shapes themselves are wrong
+    shape_ok = code == 0 or code > 4  # codes 1 to 4: the shapes themselves may be wrong
     row = [
         code,
         image.shape[0] if shape_ok else 0,
@@ -179,7 +180,8 @@ def _check_table(fn, table, rank, world_size, own_message):
         code = row[field["problem"]]
         if code:
             if q == rank:
-                raise ValueError(f"{fn}: {own_message} (on rank {q})")
+                error = TypeError if code in _TYPE_PROBLEMS else ValueError
+                raise error(f"{fn}: {own_message} (on rank {q})")
             raise ValueError(f"{fn}: rank {q} has invalid inputs: {_LOCAL_PROBLEMS[code]}")
     for q, row in enumerate(table):
         if row[field["world_size_arg"]] not in (-1, world_size):

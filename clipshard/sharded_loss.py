@@ -15,7 +15,7 @@ so that open_clip's per-rank loss (local_loss=True) is P_r / (2M) and its full-b
 import torch
 
 from clipshard import distributed as cdist
-from clipshard.reference import contrastive_lse_reference as contrastive_lse
+from clipshard.fused_op import contrastive_lse
 
 
 def exchange_partial(image, text, scale, bias, layout):

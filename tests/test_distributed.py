@@ -9,6 +9,7 @@ end to end and the cross-rank error cases.
 import importlib.util
 import math
 import os
+import warnings
 
 import pytest
 import torch
@@ -139,6 +140,7 @@ def _compare_rank(rank, world_size, sizes, dtype, seed, scale_value, bias_value,
 
 
 def _rank_main(rank, world_size, sizes_list):
+    warnings.filterwarnings("ignore", category=FutureWarning)  # open_clip's deprecated all_gather
     worst = {}
     for sizes in sizes_list:
         equal = len(set(sizes)) == 1
@@ -282,7 +284,5 @@ def test_errors_without_group():
         clipshard.ClipLoss(mode="both")
     with pytest.raises(ValueError, match="mode='exchange' cannot reproduce"):
         clipshard.ClipLoss(local_loss=True, gather_with_grad=False, mode="exchange")
-    with pytest.raises(ValueError, match="ClipLoss: image_features and text_features must have the same dtype"):
+    with pytest.raises(TypeError, match="ClipLoss: image_features and text_features must have the same dtype"):
         clipshard.ClipLoss()(image, text.half(), scale)
-    with pytest.raises(ValueError, match="logit_scale must be a tensor with one element"):
-        clipshard.clip_loss(image, text, torch.ones(2))
