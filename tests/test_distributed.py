@@ -183,6 +183,32 @@ def test_world_size_3_equal_and_unequal_batches():
     _report(results[0])
 
 
+def _subgroup_rank(rank, world_size):
+    """Two independent pairs of ranks, each with its own process group (group=)."""
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    group, sub_rank = groups[rank // 2], rank % 2
+    sizes = (4, 6) if rank < 2 else (5, 5)
+    image64, text64 = _global_batch(sum(sizes), 11, seed=20 + rank // 2)
+    local = slice(sum(sizes[:sub_rank]), sum(sizes[: sub_rank + 1]))
+    scale = torch.tensor(17.0, dtype=torch.float64)
+    upstream = [1.0, 2.0]
+    for local_loss in (True, False):
+        for mode in ("exchange", "local"):
+            want = clip_loss_rank_reference(image64, text64, scale, None, sizes, upstream, sub_rank, local_loss, True)
+            loss_fn = clipshard.ClipLoss(local_loss, True, rank=sub_rank, world_size=2, mode=mode, group=group)
+            got = _run_loss(loss_fn, image64[local], text64[local], scale, None, upstream[sub_rank])
+            for k in range(3):
+                assert _max_rel(got[k], want[k]) < 1e-10, (rank, local_loss, mode, k)
+    loss = clipshard.clip_loss(image64[local], text64[local], scale, local_loss=True, group=group)
+    assert abs(loss.item() - clip_loss_rank_reference(image64, text64, scale, None, sizes, upstream, sub_rank,
+                                                     True, True)[0].item()) < 1e-12
+    return True
+
+
+def test_process_subgroups():
+    assert run_group(_subgroup_rank, 4) == [True] * 4
+
+
 # ---------------------------------------------------------------------------------------------
 # DDP end to end
 # ---------------------------------------------------------------------------------------------
