@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-# torch >= 2.12 renamed the single-tensor collectives; older versions only have the old names.
+# Recent torch versions renamed the single-tensor collectives (deprecating the old names); older
+# versions only have the old names.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
