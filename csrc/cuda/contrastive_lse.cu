@@ -41,7 +41,7 @@ void check_scalar(const char* fn, const char* name, const Tensor& t, const Tenso
 
 void check_features(const char* fn, const Tensor& rows, const Tensor& cols, const Tensor& scale,
                     const c10::optional<Tensor>& bias, int64_t pos_offset) {
-  TORCH_CHECK(rows.is_cuda(), fn, ": rows must be a CUDA tensor, got ", rows.device());
+  TORCH_CHECK(rows.is_cuda(), fn, ": rows must be on a CUDA device, got ", rows.device());
   TORCH_CHECK(cols.device() == rows.device(), fn,
               ": rows and cols must be on the same device, got ", rows.device(), " and ",
               cols.device());
