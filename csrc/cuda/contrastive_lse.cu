@@ -1,8 +1,10 @@
 // CUDA registration of contrastive_lse_forward / contrastive_lse_backward (docs/fused_loss_cuda.md):
 // input checks, scratch tensors and launches. The kernels live in contrastive_lse_kernels.cuh.
 //
-// Both flags `tensor_cores` and `allow_tf32` are accepted but select nothing yet: every dtype runs
-// the exact fp32-FMA kernels. `deterministic` is accepted too; the backward is always deterministic.
+// Paths: the fp32-FMA kernels are the default for every dtype. tensor_cores=True selects the
+// (unverified) mma.sync forward kernel for fp16/bf16 where it applies (see use_tensor_cores); the
+// backward always runs the FMA kernels. allow_tf32 selects nothing: fp32 is always exact fp32 FMA.
+// `deterministic` is accepted; the backward is always deterministic (no atomics).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -11,8 +13,10 @@
 #include <algorithm>
 #include <climits>
 #include <tuple>
+#include <type_traits>
 
 #include "contrastive_lse_kernels.cuh"
+#include "contrastive_lse_mma.cuh"
 
 namespace clipshard {
 namespace {
@@ -90,6 +94,22 @@ void launch_forward(const k::ForwardParams<T>& p, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The tensor-core forward handles fp16/bf16 features with D % 8 == 0 and 16-byte aligned data on
+// sm_80 or newer; anything else falls back to the FMA kernel.
+bool use_tensor_cores(bool tensor_cores, const Tensor& rows, const Tensor& cols) {
+  if (!tensor_cores || rows.scalar_type() == at::kFloat || rows.size(1) % 8 != 0) return false;
+  const bool aligned = reinterpret_cast<uintptr_t>(rows.const_data_ptr()) % 16 == 0 &&
+                       reinterpret_cast<uintptr_t>(cols.const_data_ptr()) % 16 == 0;
+  return aligned && at::cuda::getCurrentDeviceProperties()->major >= 8;
+}
+
+template <typename T>
+void launch_forward_mma(const k::ForwardParams<T>& p, cudaStream_t stream) {
+  const auto blocks = static_cast<unsigned int>((p.n_own + k::kMmaRows - 1) / k::kMmaRows);
+  k::lse_forward_mma_kernel<T><<<blocks, k::kMmaThreads, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 template <typename T>
 void launch_backward(const k::BackwardParams<T>& p, cudaStream_t stream) {
   k::lse_backward_kernel<T><<<num_blocks(p.n_own), k::kThreads, 0, stream>>>(p);
@@ -101,7 +121,7 @@ std::tuple<Tensor, Tensor, Tensor> contrastive_lse_forward_cuda(
     int64_t pos_offset, bool want_col_lse, bool allow_tf32, bool tensor_cores) {
   constexpr const char* fn = "contrastive_lse_forward";
   check_features(fn, rows, cols, scale, bias, pos_offset);
-  (void)allow_tf32, (void)tensor_cores;  // see the file comment
+  (void)allow_tf32;  // see the file comment
   c10::cuda::CUDAGuard guard(rows.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int64_t M = rows.size(0), K = cols.size(0), D = rows.size(1);
@@ -111,19 +131,28 @@ std::tuple<Tensor, Tensor, Tensor> contrastive_lse_forward_cuda(
   Tensor row_lse = at::empty({M}, fopts), pos_logit = at::empty({M}, fopts);
   Tensor col_lse = at::empty({want_col_lse ? K : 0}, fopts);
 
+  const bool mma = use_tensor_cores(tensor_cores, rows, cols);
   dispatch_features(rows.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* rows_p = rows.const_data_ptr<T>();
     const T* cols_p = cols.const_data_ptr<T>();
     const float* bias_p = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
-    launch_forward(k::ForwardParams<T>{rows_p, cols_p, M, K, D, scale_f.const_data_ptr<float>(),
-                                       bias_p, row_lse.mutable_data_ptr<float>(),
-                                       pos_logit.mutable_data_ptr<float>(), pos_offset},
-                   stream);
-    if (want_col_lse)  // column LSE = row LSE of S^T: the same kernel with the roles swapped
-      launch_forward(k::ForwardParams<T>{cols_p, rows_p, K, M, D, scale_f.const_data_ptr<float>(),
-                                         bias_p, col_lse.mutable_data_ptr<float>(), nullptr, 0},
-                     stream);
+    const float* scale_p = scale_f.const_data_ptr<float>();
+    const k::ForwardParams<T> row_pass{rows_p, cols_p, M, K, D, scale_p, bias_p,
+                                       row_lse.mutable_data_ptr<float>(),
+                                       pos_logit.mutable_data_ptr<float>(), pos_offset};
+    // Column LSE = row LSE of S^T: the same kernel with the roles swapped.
+    const k::ForwardParams<T> col_pass{cols_p, rows_p, K, M, D, scale_p, bias_p,
+                                       col_lse.mutable_data_ptr<float>(), nullptr, 0};
+    if constexpr (!std::is_same_v<T, float>) {
+      if (mma) {
+        launch_forward_mma(row_pass, stream);
+        if (want_col_lse) launch_forward_mma(col_pass, stream);
+        return;
+      }
+    }
+    launch_forward(row_pass, stream);
+    if (want_col_lse) launch_forward(col_pass, stream);
   });
   return {row_lse, pos_logit, col_lse};
 }

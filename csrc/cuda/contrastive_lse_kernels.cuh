@@ -63,16 +63,17 @@ __device__ __forceinline__ float logit(float scale, float dot, float bias) {
   return fmaf(scale, dot, bias);
 }
 
-// Folds the values x[0..kPer) into a running (max m, sum s) of exp(x - m). The reference point is
+// Folds the values x[0..N) into a running (max m, sum s) of exp(x - m). The reference point is
 // 0 while everything seen is -inf, so no inf - inf appears; a NaN reaches s through exp and stays.
-__device__ __forceinline__ void online_lse_add(float& m, float& s, const float (&x)[kPer]) {
+template <int N>
+__device__ __forceinline__ void online_lse_add(float& m, float& s, const float (&x)[N]) {
   float new_m = m;
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) new_m = fmaxf(new_m, x[j]);
+  for (int j = 0; j < N; ++j) new_m = fmaxf(new_m, x[j]);
   const float ref = new_m == -INFINITY ? 0.f : new_m;
   float sum = s * expf(m - ref);
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) sum += expf(x[j] - ref);
+  for (int j = 0; j < N; ++j) sum += expf(x[j] - ref);
   m = new_m;
   s = sum;
 }
@@ -224,9 +225,9 @@ __global__ void __launch_bounds__(kThreads) lse_backward_kernel(BackwardParams<T
           if (p.own_grad != nullptr) d += own_grad[i] * expf(x - own_lse[i]);
           if (p.other_grad != nullptr) d += other_grad * expf(x - other_lse);
           if (col - row == p.pos_delta) d += p.pos_grad[p.pos_grad_by_own ? row : col];
+          sum_scale = fmaf(d, acc[i][j], sum_scale);
+          sum_bias += d;
         }
-        sum_scale = fmaf(d, acc[i][j], sum_scale);
-        sum_bias += d;
         ds_s[ty + kSide * i][tx + kSide * j] = scale * d;
       }
     }
