@@ -222,7 +222,8 @@ def test_nan_inputs_give_nan_outputs(dtype, tensor_cores):
     assert all(torch.isnan(t).all() for t in outs)
 
 
-def test_memory_stays_linear_in_rows_and_columns():
+@pytest.mark.parametrize("tensor_cores", [False, True])
+def test_memory_stays_linear_in_rows_and_columns(tensor_cores):
     """M = K = 16384: an M x K buffer would take 1 GiB (fp32) / 512 MiB (bf16); the op may only
     use O((M + K) D) scratch (fp32 gradient accumulators) and O(M + K) vectors."""
     M = K = 16384
@@ -232,8 +233,8 @@ def test_memory_stays_linear_in_rows_and_columns():
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    outs = forward(rows, cols, scale_t, bias_t, 0, True, False)
-    result = backward(grads, rows, cols, scale_t, bias_t, 0, outs, False)
+    outs = forward(rows, cols, scale_t, bias_t, 0, True, tensor_cores)
+    result = backward(grads, rows, cols, scale_t, bias_t, 0, outs, tensor_cores)
     torch.cuda.synchronize()
     extra = torch.cuda.max_memory_allocated() - base
     budget = 16 * (M + K) * D + 64 * (M + K) + (4 << 20)

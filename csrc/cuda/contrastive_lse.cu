@@ -2,8 +2,8 @@
 // input checks, scratch tensors and launches. The kernels live in contrastive_lse_kernels.cuh.
 //
 // Paths: the fp32-FMA kernels are the default for every dtype. tensor_cores=True selects the
-// (unverified) mma.sync forward kernel for fp16/bf16 where it applies (see use_tensor_cores); the
-// backward always runs the FMA kernels. allow_tf32 selects nothing: fp32 is always exact fp32 FMA.
+// (unverified) mma.sync kernels for fp16/bf16 where they apply (see use_tensor_cores).
+// allow_tf32 selects nothing: fp32 is always exact fp32 FMA.
 // `deterministic` is accepted; the backward is always deterministic (no atomics).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -111,7 +111,14 @@ void launch_forward_mma(const k::ForwardParams<T>& p, cudaStream_t stream) {
 }
 
 template <typename T>
-void launch_backward(const k::BackwardParams<T>& p, cudaStream_t stream) {
+void launch_backward(const k::BackwardParams<T>& p, bool mma, cudaStream_t stream) {
+  if constexpr (!std::is_same_v<T, float>) {
+    if (mma) {  // kMmaRows == kTile: the same grid and partial-sum layout
+      k::lse_backward_mma_kernel<T><<<num_blocks(p.n_own), k::kMmaThreads, 0, stream>>>(p);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
+  }
   k::lse_backward_kernel<T><<<num_blocks(p.n_own), k::kThreads, 0, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -165,7 +172,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> contrastive_lse_backward_cuda(
     bool tensor_cores, bool deterministic) {
   constexpr const char* fn = "contrastive_lse_backward";
   check_features(fn, rows, cols, scale, bias, pos_offset);
-  (void)allow_tf32, (void)tensor_cores, (void)deterministic;  // see the file comment
+  (void)allow_tf32, (void)deterministic;  // see the file comment
   c10::cuda::CUDAGuard guard(rows.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int64_t M = rows.size(0), K = cols.size(0), D = rows.size(1);
@@ -194,6 +201,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> contrastive_lse_backward_cuda(
   Tensor grad_rows_f = at::zeros({M, D}, fopts), grad_cols_f = at::zeros({K, D}, fopts);
   const int64_t row_blocks = num_blocks(M);
   Tensor partials = at::empty({2, row_blocks}, fopts), sums = at::empty({2}, fopts);
+  const bool mma = use_tensor_cores(tensor_cores, rows, cols);
 
   dispatch_features(rows.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -206,13 +214,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> contrastive_lse_backward_cuda(
                                   grad_rows_f.mutable_data_ptr<float>(),
                                   partials[0].mutable_data_ptr<float>(),
                                   partials[1].mutable_data_ptr<float>()};
-    launch_backward(row_pass, stream);
+    launch_backward(row_pass, mma, stream);
     k::BackwardParams<T> col_pass{cols_p, rows_p, K, M, D, scale_f.const_data_ptr<float>(), bias_p,
                                   lse_col_p, g_col_p, lse_row.const_data_ptr<float>(),
                                   g_row.const_data_ptr<float>(), g_pos.const_data_ptr<float>(),
                                   /*pos_grad_by_own=*/false, -pos_offset,
                                   grad_cols_f.mutable_data_ptr<float>(), nullptr, nullptr};
-    launch_backward(col_pass, stream);
+    launch_backward(col_pass, mma, stream);
   });
   k::sum_partials_kernel<<<1, k::kThreads, 0, stream>>>(partials[0].const_data_ptr<float>(),
                                                         partials[1].const_data_ptr<float>(),

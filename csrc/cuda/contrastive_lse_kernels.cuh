@@ -171,7 +171,8 @@ __global__ void __launch_bounds__(kThreads) lse_forward_kernel(ForwardParams<T> 
   }
 }
 
-// Sum of v over the CTA in a fixed order; the result is valid in thread 0.
+// Sum of v over the CTA (kBlockThreads threads) in a fixed order; the result is valid in thread 0.
+template <int kBlockThreads>
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) v += __shfl_down_sync(0xffffffffu, v, offset);
@@ -181,7 +182,7 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   __syncthreads();
   float total = 0.f;
   if (threadIdx.x == 0)
-    for (int w = 0; w < kThreads / 32; ++w) total += scratch[w];
+    for (int w = 0; w < kBlockThreads / 32; ++w) total += scratch[w];
   return total;
 }
 
@@ -270,8 +271,8 @@ __global__ void __launch_bounds__(kThreads) lse_backward_kernel(BackwardParams<T
     }
   }
   if (p.partial_scale != nullptr) {
-    const float total_scale = block_sum(sum_scale, scratch);
-    const float total_bias = block_sum(sum_bias, scratch);
+    const float total_scale = block_sum<kThreads>(sum_scale, scratch);
+    const float total_bias = block_sum<kThreads>(sum_bias, scratch);
     if (threadIdx.x == 0) {
       p.partial_scale[blockIdx.x] = total_scale;
       p.partial_bias[blockIdx.x] = total_bias;
@@ -285,8 +286,8 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float scratch[kThreads / 32];
   float a = 0.f, b = 0.f;
   for (int64_t k = threadIdx.x; k < n; k += kThreads) a += partial_scale[k], b += partial_bias[k];
-  const float total_scale = block_sum(a, scratch);
-  const float total_bias = block_sum(b, scratch);
+  const float total_scale = block_sum<kThreads>(a, scratch);
+  const float total_bias = block_sum<kThreads>(b, scratch);
   if (threadIdx.x == 0) out[0] = total_scale, out[1] = total_bias;
 }
 
