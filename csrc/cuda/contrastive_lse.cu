@@ -227,8 +227,10 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> contrastive_lse_backward_cuda(
                                                         row_blocks, sums.mutable_data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
-  const Tensor grad_scale = sums[0].to(scale.scalar_type());
-  const Tensor grad_bias = sums[1].to(bias.has_value() ? bias->scalar_type() : scale.scalar_type());
+  // Fresh tensors (copy=true): outputs must not alias each other.
+  const Tensor grad_scale = sums[0].to(scale.scalar_type(), false, true);
+  const Tensor grad_bias =
+      sums[1].to(bias.has_value() ? bias->scalar_type() : scale.scalar_type(), false, true);
   return {grad_rows_f.to(rows.scalar_type()), grad_cols_f.to(cols.scalar_type()), grad_scale,
           grad_bias};
 }
