@@ -7,9 +7,11 @@
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#ifndef CLIPSHARD_LSE_HOST_EMULATION
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <c10/util/Half.h>
+#endif
 
 #include <cstdint>
 #include <cstring>
@@ -35,6 +37,9 @@ struct IsBf16 : std::false_type {};
 template <>
 struct IsBf16<c10::BFloat16> : std::true_type {};
 
+// The four warp-level primitives below are replaced by host versions in
+// tests/cuda_emulation/emulate_mma.h, which runs these kernels on the CPU for testing.
+#ifndef CLIPSHARD_LSE_HOST_EMULATION
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_ptr) {
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -89,6 +94,7 @@ __device__ __forceinline__ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[
   __trap();  // the launcher selects this kernel only on sm_80+
 #endif
 }
+#endif  // CLIPSHARD_LSE_HOST_EMULATION
 
 // tile[r * kMmaPitch + k] = src[row0 + r][k0 + k] for r < R, k < kMmaDepth, zeros outside the
 // matrix; 16-byte copies (dim % 8 == 0 and 16-byte aligned src, so a vector is all in or all out).
