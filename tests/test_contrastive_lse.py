@@ -226,6 +226,20 @@ def test_nan_propagates():
         assert torch.isnan(rows_g.grad[5]).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_infinite_feature_matches_torch(dtype):
+    # Row 3 holds +inf: its logits are +-inf. The other row block has logits near 1000, so the
+    # partial column sums merged with row 3's infinite ones sit far apart.
+    rows = features(200, 6, dtype, seed=34) * 70
+    cols = features(300, 6, dtype, seed=35)
+    rows[3, 0] = math.inf
+    out = contrastive_lse(rows, cols, 14.3, pos_offset=50)
+    ref = contrastive_lse_reference(rows, cols, torch.tensor(14.3, dtype=dtype), None, 50)
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o.double(), r, rtol=1e-5, atol=1e-3, equal_nan=True)
+    assert math.isinf(out[0][3]) and torch.isinf(out[2]).any()
+
+
 def test_infinite_bias():
     rows, cols = features(4, 3, torch.float32, seed=18), features(6, 3, torch.float32, seed=19)
     row_lse, pos, col_lse = contrastive_lse(rows, cols, 5.0, float("-inf"))
