@@ -2,6 +2,7 @@
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
+from clipshard.rounding import stochastic_round, stochastic_round_  # noqa: F401
 
 __version__ = "0.1.0"
 from clipshard import optim  # noqa: E402,F401  (clipshard.optim.AdamW, to_half_precision_)

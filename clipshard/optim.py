@@ -12,6 +12,7 @@ import torch
 from torch.optim import Optimizer
 
 from clipshard._random import draw_seed_offset
+from clipshard.rounding import stochastic_round
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _PARAM_DTYPES = (torch.float32,) + _HALF_DTYPES
@@ -144,15 +145,21 @@ class AdamW(Optimizer):
 def to_half_precision_(module: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, *, buffers: bool = False,
                        generator: torch.Generator | None = None) -> torch.nn.Module:
     """Converts `module`'s fp32 parameters (and, with buffers=True, its fp32 buffers) to `dtype` in
-    place with stochastic rounding, so a model can be kept and trained in 16 bits without an fp32
-    master copy. Returns the module. Parameters stay the same Parameter objects (their .data is
-    replaced), so build the optimizer after calling this."""
+    place with stochastic rounding (clipshard.stochastic_round), so that a model, say a frozen or
+    slowly trained text encoder, is kept in 16 bits without an fp32 master copy and its rounding
+    errors average out instead of all pointing the same way. Parameters stay the same Parameter
+    objects (their .data is replaced): build the optimizer afterwards. Tensors already in `dtype`
+    are left as they are; other dtypes are refused. Returns the module."""
+    fn = "to_half_precision_"
     if dtype not in _HALF_DTYPES:
-        raise ValueError(f"to_half_precision_: dtype must be torch.float16 or torch.bfloat16, got {dtype}")
-    tensors = list(module.parameters()) + (list(module.buffers()) if buffers else [])
-    for t in tensors:
-        if t.dtype != torch.float32:
-            continue
-        seed, offset = draw_seed_offset(t.device, generator)
-        t.data = torch.ops.clipshard.stochastic_round(t.data.contiguous(), dtype, seed, offset, False)
+        raise ValueError(f"{fn}: dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+    named = [("parameter", n, t) for n, t in module.named_parameters()]
+    if buffers:
+        named += [("buffer", n, t) for n, t in module.named_buffers() if t.is_floating_point()]
+    for kind, name, t in named:
+        if t.dtype not in (torch.float32, dtype):
+            raise TypeError(f"{fn}: {kind} {name!r} is {t.dtype}; only float32 tensors are converted")
+    for _, _, t in named:
+        if t.dtype == torch.float32:
+            t.data = stochastic_round(t.data.contiguous(), dtype, generator=generator)
     return module

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import clipshard  # noqa: F401
-from clipshard.optim import AdamW, second_moment_key
+from clipshard.optim import AdamW, second_moment_key, to_half_precision_
 from clipshard.reference import adamw_step_reference, half_neighbours
 
 HALF = (torch.float16, torch.bfloat16)
@@ -373,3 +373,45 @@ def test_opcheck():
     tensors[3] = [t.abs() for t in tensors[3]]
     torch.library.opcheck(torch.ops.clipshard.adamw_step_.default,
                           (*tensors, [2, 2], 1e-3, 0.9, 0.999, 1e-8, 0.01, False, True, 3, 4))
+
+
+# --- to_half_precision_ ---------------------------------------------------------------------------
+
+def _small_model(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(33, 65), torch.nn.BatchNorm1d(65), torch.nn.Linear(65, 7))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_to_half_precision_rounds_each_value_to_a_neighbour(dtype):
+    model = _small_model(0)
+    before = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    params = list(model.parameters())
+    assert to_half_precision_(model, dtype, buffers=True, generator=torch.Generator().manual_seed(1)) is model
+    assert all(a is b for a, b in zip(params, model.parameters()))
+    for name, t in model.state_dict().items():
+        if not before[name].is_floating_point():
+            assert t.dtype == before[name].dtype  # num_batches_tracked stays an integer
+            continue
+        assert t.dtype == dtype, name
+        lo, hi = half_neighbours(before[name].double(), dtype)
+        assert ((t.double() == lo.double()) | (t.double() == hi.double())).all(), name
+    both = torch.cat([t.double().flatten() != before[n].double().to(dtype).double().flatten()
+                      for n, t in model.named_parameters()])
+    assert 0.01 < both.float().mean() < 0.99  # stochastic: not all rounded to nearest
+    opt = AdamW(model.parameters(), lr=1e-3)
+    loss = model(torch.randn(8, 33).to(dtype)).float().square().mean()
+    loss.backward()
+    opt.step()
+    assert all(p.dtype == dtype for p in model.parameters())
+
+
+def test_to_half_precision_is_reproducible_and_checks_its_arguments():
+    a = to_half_precision_(_small_model(0), generator=torch.Generator().manual_seed(2))
+    b = to_half_precision_(_small_model(0), generator=torch.Generator().manual_seed(2))
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert next(_small_model(0).buffers()).dtype == torch.float32  # buffers only when asked
+    with pytest.raises(ValueError, match="to_half_precision_: dtype must be"):
+        to_half_precision_(_small_model(0), torch.float32)
+    with pytest.raises(TypeError, match="to_half_precision_: parameter '0.weight' is torch.float64"):
+        to_half_precision_(_small_model(0).double())
