@@ -410,7 +410,7 @@ def test_to_half_precision_is_reproducible_and_checks_its_arguments():
     a = to_half_precision_(_small_model(0), generator=torch.Generator().manual_seed(2))
     b = to_half_precision_(_small_model(0), generator=torch.Generator().manual_seed(2))
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
-    assert next(_small_model(0).buffers()).dtype == torch.float32  # buffers only when asked
+    assert next(a.buffers()).dtype == torch.float32  # buffers only when asked
     with pytest.raises(ValueError, match="to_half_precision_: dtype must be"):
         to_half_precision_(_small_model(0), torch.float32)
     with pytest.raises(TypeError, match="to_half_precision_: parameter '0.weight' is torch.float64"):
