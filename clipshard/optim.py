@@ -83,6 +83,15 @@ class AdamW(Optimizer):
                 raise ValueError(f"{_NAME}: parameters must be contiguous, got one of shape {tuple(p.shape)} "
                                  f"and strides {p.stride()}")
 
+    def __setstate__(self, state):
+        """Also the end of load_state_dict: groups saved by torch.optim.AdamW lack our options."""
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("state_dtype", None)
+            group.setdefault("stochastic_rounding", True)
+            group.setdefault("maximize", False)
+            group.setdefault("amsgrad", False)
+
     def _init_state(self, p, state, group):
         state_dtype = group["state_dtype"] or (p.dtype if p.dtype in _HALF_DTYPES else torch.float32)
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -98,6 +107,8 @@ class AdamW(Optimizer):
                 loss = closure()
         for group in self.param_groups:
             _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"], group["state_dtype"])
+            if group["amsgrad"]:
+                raise NotImplementedError(f"{_NAME}: amsgrad=True is not supported")
             buckets = {}  # (device, param dtype, state dtype) -> lists for one fused call
             for p in group["params"]:
                 if p.grad is None:
@@ -110,7 +121,7 @@ class AdamW(Optimizer):
                     self._init_state(p, state, group)
                 exp_avg = state["exp_avg"]
                 exp_avg_sq = state[second_moment_key(exp_avg.dtype)]
-                state["step"] += 1
+                state["step"] = state["step"] + 1  # a new tensor: a loaded state dict may share the old one
                 lists = buckets.setdefault((p.device, p.dtype, exp_avg.dtype), ([], [], [], [], []))
                 for target, value in zip(lists, (p, grad.contiguous(), exp_avg, exp_avg_sq,
                                                  int(state["step"].item()))):
@@ -128,7 +139,8 @@ class AdamW(Optimizer):
 
     def load_state_dict(self, state_dict):
         """As torch's, except that moment tensors keep their saved dtypes (torch would cast them to
-        the parameter's dtype, losing fp32 moments of 16-bit parameters)."""
+        the parameter's dtype, losing fp32 moments of 16-bit parameters), and that every state tensor
+        is a copy (torch's loader may share tensors, `step` among them, with the given dict)."""
         super().load_state_dict(state_dict)
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
@@ -137,7 +149,9 @@ class AdamW(Optimizer):
             if saved is None:
                 continue
             for key, value in saved.items():
-                if key != "step" and isinstance(value, torch.Tensor):
+                if key == "step":
+                    self.state[p][key] = torch.tensor(float(value), dtype=torch.float32)
+                elif isinstance(value, torch.Tensor):
                     self.state[p][key] = value.to(device=p.device, copy=True).contiguous()
 
 

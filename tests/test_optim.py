@@ -296,6 +296,20 @@ def test_state_dict_round_trip_and_fresh_optimizer_continue_bitwise():
         assert torch.equal(p, q)
 
 
+def test_loads_a_torch_adamw_state_dict_and_continues_its_trajectory():
+    gen = torch.Generator().manual_seed(10)
+    theirs = [torch.randn(n, generator=gen).requires_grad_() for n in (5, 300)]
+    ref = torch.optim.AdamW(theirs, lr=1e-2, foreach=False)
+    _run(theirs, ref, torch.Generator().manual_seed(11), 3)
+    ours = _clone_params(theirs)
+    opt = AdamW(ours, lr=1e-2)
+    opt.load_state_dict(ref.state_dict())
+    _run(theirs, ref, torch.Generator().manual_seed(12), 5)
+    _run(ours, opt, torch.Generator().manual_seed(12), 5)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("use_generator", [False, True])
 def test_reproducible_under_seed(use_generator):
     def trajectory(seed):

@@ -75,12 +75,13 @@ void store(void* base, int64_t begin, int64_t n, const float* in, bool stochasti
       for (int64_t j = 0; j < n; ++j) dst[j] = round_to_storage<S>(in[j], 0u, false);
       return;
     }
+    uint32_t random[kBlock];  // the Philox words first (a loop of its own), then the rounding
     for (int64_t j = 0; j < n; j += 4) {
       const PhiloxWords words =
           philox_block(seed, offset, stream_block(stream, static_cast<uint64_t>(begin + j)));
-      const int64_t lanes = n - j < 4 ? n - j : 4;
-      for (int64_t l = 0; l < lanes; ++l) dst[j + l] = round_to_storage<S>(in[j + l], words.w[l], true);
+      for (int l = 0; l < 4; ++l) random[j + l] = words.w[l];
     }
+    for (int64_t j = 0; j < n; ++j) dst[j] = round_to_storage<S>(in[j], random[j], true);
   }
 }
 
