@@ -62,6 +62,18 @@ void load(const void* base, int64_t begin, int64_t n, float* out) {
   }
 }
 
+// The Philox words of `blocks` consecutive blocks starting at counter `first_block` (integer-only
+// code, so the instruction-set clones cannot change a bit).
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+void draw_words(uint64_t seed, uint64_t offset, uint64_t first_block, int64_t blocks, uint32_t* random) {
+  for (int64_t b = 0; b < blocks; ++b) {
+    const PhiloxWords words = philox_block(seed, offset, first_block + static_cast<uint64_t>(b));
+    for (int l = 0; l < 4; ++l) random[4 * b + l] = words.w[l];
+  }
+}
+
 // Stores n values of `in` to elements begin .. begin + n of the tensor (begin a multiple of 4).
 template <Storage S>
 void store(void* base, int64_t begin, int64_t n, const float* in, bool stochastic, uint64_t seed,
@@ -76,11 +88,7 @@ void store(void* base, int64_t begin, int64_t n, const float* in, bool stochasti
       return;
     }
     uint32_t random[kBlock];  // the Philox words first (a loop of its own), then the rounding
-    for (int64_t j = 0; j < n; j += 4) {
-      const PhiloxWords words =
-          philox_block(seed, offset, stream_block(stream, static_cast<uint64_t>(begin + j)));
-      for (int l = 0; l < 4; ++l) random[j + l] = words.w[l];
-    }
+    draw_words(seed, offset, stream_block(stream, static_cast<uint64_t>(begin)), (n + 3) / 4, random);
     for (int64_t j = 0; j < n; ++j) dst[j] = round_to_storage<S>(in[j], random[j], true);
   }
 }
