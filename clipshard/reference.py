@@ -107,6 +107,8 @@ def stochastic_round_reference(x: torch.Tensor, words, dtype, saturate: bool = F
     out = np.where(np.isnan(v), np.nan, out)
     return torch.from_numpy(out).to(dtype).reshape(x.shape)
 
+
+# ---------------------------------------------------------------------------------------------
 # Distributed: open_clip's per-rank semantics (used by tests/test_distributed.py)
 # ---------------------------------------------------------------------------------------------
 
@@ -158,3 +160,42 @@ def clip_loss_rank_reference(image_features, text_features, logit_scale, logit_b
     d_scalars = torch.autograd.grad(upstream[rank] * loss, scalars)
     d_bias = d_scalars[1] if bias is not None else None
     return loss.detach(), block(d_image, rank), block(d_text, rank), d_scalars[0], d_bias
+
+
+# --- Half-precision AdamW (clipshard.optim.AdamW) -------------------------------------------------
+
+def adamw_step_reference(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
+                         maximize=False):
+    """One torch.optim.AdamW step in fp64 (decoupled weight decay, bias correction). Takes the
+    decoded values (second moment as v, whatever its storage) and returns the exact fp64
+    (param, exp_avg, exp_avg_sq) before any rounding to storage."""
+    p, g, m, v = (t.double() for t in (param, grad, exp_avg, exp_avg_sq))
+    if maximize:
+        g = -g
+    p = p * (1 - lr * weight_decay)
+    m = m + (1 - beta1) * (g - m)
+    v = v * beta2 + (1 - beta2) * g * g
+    denom = v.sqrt() / (1 - beta2 ** step) ** 0.5 + eps
+    p = p - lr / (1 - beta1 ** step) * m / denom
+    return p, m, v
+
+
+def _next_16bit(y, up):
+    """The fp16/bf16 value next to each finite y (same dtype), towards +inf when up, else -inf."""
+    bits = y.view(torch.int16).to(torch.int32) & 0xFFFF
+    sign, magnitude = bits >> 15, bits & 0x7FFF
+    away_from_zero = (sign == 0) == up
+    new_magnitude = torch.where(magnitude == 0, 1, torch.where(away_from_zero, magnitude + 1, magnitude - 1))
+    new_sign = torch.where(magnitude == 0, 0 if up else 1, sign)
+    return ((new_sign << 15) | new_magnitude).to(torch.int16).view(y.dtype)
+
+
+def half_neighbours(x, dtype):
+    """(lo, hi): the two values of `dtype` around each finite fp64 value x, lo <= x <= hi (equal
+    when x is representable). Used to check stochastic rounding results."""
+    x = x.double()
+    y = x.to(dtype)
+    yd = y.double()
+    lo = torch.where(yd <= x, y, _next_16bit(y, up=False))
+    hi = torch.where(yd >= x, y, _next_16bit(y, up=True))
+    return lo, hi

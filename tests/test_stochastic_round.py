@@ -68,6 +68,14 @@ def test_philox_stream_equals_reference(seed, offset):
     assert np.array_equal(words(seed, offset, n), reference.philox_stream_reference(seed, offset, n))
 
 
+@pytest.mark.parametrize("seed,offset", [(0, 0), (2**64 - 1, 1), (0x9E3779B97F4A7C15, 2**40 + 3)])
+def test_philox_stream_equals_aten_philox(seed, offset):
+    # at::Philox4_32(seed, subsequence=offset, offset=i // 4), the engine torch's CUDA RNG follows
+    from clipshard._random import as_int64
+    aten = torch.ops.clipshard.philox_words(as_int64(seed), as_int64(offset), 1027, aten=True)
+    assert np.array_equal(aten.numpy().view(np.uint32), words(seed, offset, 1027))
+
+
 def test_sr_uses_stream_words_by_row_major_index():
     # bf16 with 16 dropped bits: the result at element i says whether (r_i mod 2^16) < d.
     n, d = 1001, 0x8000

@@ -4,7 +4,10 @@
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/PhiloxRNGEngine.h>
 #include <torch/library.h>
+
+#include <algorithm>
 
 #include "clipshard/philox.h"
 #include "clipshard/stochastic_rounding.h"
@@ -21,23 +24,32 @@ __attribute__((always_inline)) inline uint16_t round_bits(uint32_t bits, uint32_
   return kBf16 ? sr_float_to_bfloat16_bits(bits, r, kSaturate) : sr_float_to_half_bits(bits, r, kSaturate);
 }
 
+// Philox blocks per batch: the random words of a batch are generated in one loop and consumed in
+// a second, so that each loop is simple enough for the compiler to vectorise.
+constexpr int64_t kBatchBlocks = 64;
+
 // Rounds the elements of Philox blocks [begin, end) of a contiguous tensor; element i uses word
 // i % 4 of philox_block(seed, offset, i / 4). Inlined into each instruction-set clone below.
 template <bool kBf16, bool kSaturate>
 __attribute__((always_inline)) inline void round_blocks(const uint32_t* src, uint16_t* dst, int64_t begin,
                                                         int64_t end, uint64_t seed, uint64_t offset) {
-  for (int64_t b = begin; b < end; ++b) {
-    const PhiloxWords words = philox_block(seed, offset, static_cast<uint64_t>(b));
-    for (int j = 0; j < 4; ++j) {
-      dst[4 * b + j] = round_bits<kBf16, kSaturate>(src[4 * b + j], words.w[j]);
+  uint32_t random[4 * kBatchBlocks];
+  for (int64_t first = begin; first < end; first += kBatchBlocks) {
+    const int64_t count = std::min(kBatchBlocks, end - first);
+    for (int64_t b = 0; b < count; ++b) {
+      const PhiloxWords words = philox_block(seed, offset, static_cast<uint64_t>(first + b));
+      for (int j = 0; j < 4; ++j) random[4 * b + j] = words.w[j];
     }
+    const uint32_t* in = src + 4 * first;
+    uint16_t* out = dst + 4 * first;
+    for (int64_t i = 0; i < 4 * count; ++i) out[i] = round_bits<kBf16, kSaturate>(in[i], random[i]);
   }
 }
 
 // One function, compiled for AVX2 and for the baseline x86-64 and picked at load time: the
 // rounding rule's variable shifts and compares vectorise only with AVX2.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("avx2", "default")))
+__attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
 void round_blocks_dispatch(const uint32_t* src, uint16_t* dst, int64_t begin, int64_t end,
                            uint64_t seed, uint64_t offset, bool bf16, bool saturate) {
@@ -95,13 +107,20 @@ void stochastic_round_into_cpu(at::Tensor& dst, const at::Tensor& src, int64_t s
   dst.copy_(buffer);
 }
 
-at::Tensor philox_words(int64_t seed, int64_t offset, int64_t n) {
+at::Tensor philox_words(int64_t seed, int64_t offset, int64_t n, bool aten) {
   TORCH_CHECK(n >= 0, "clipshard::philox_words: n must be >= 0, got ", n);
   at::Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kInt));
   auto* words = static_cast<uint32_t*>(out.mutable_data_ptr());
+  const auto key = static_cast<uint64_t>(seed), high = static_cast<uint64_t>(offset);
   for (int64_t i = 0; i < n; ++i) {
-    words[i] = philox_block(static_cast<uint64_t>(seed), static_cast<uint64_t>(offset),
-                            static_cast<uint64_t>(i / 4)).w[i % 4];
+    const auto block = static_cast<uint64_t>(i / 4);
+    if (aten) {
+      at::Philox4_32 engine(key, /*subsequence=*/high, /*offset=*/block);
+      for (int64_t j = 0; j < i % 4; ++j) engine();
+      words[i] = engine();
+    } else {
+      words[i] = philox_block(key, high, block).w[i % 4];
+    }
   }
   return out;
 }
