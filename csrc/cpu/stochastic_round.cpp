@@ -46,8 +46,8 @@ __attribute__((always_inline)) inline void round_blocks(const uint32_t* src, uin
   }
 }
 
-// One function, compiled for AVX2 and for the baseline x86-64 and picked at load time: the
-// rounding rule's variable shifts and compares vectorise only with AVX2.
+// One function, compiled for AVX-512, AVX2 and baseline x86-64 and picked at load time: the
+// Philox multiplies and the rule's variable shifts vectorise well only from AVX2 on.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("avx512f", "avx2", "default")))
 #endif
