@@ -15,11 +15,13 @@
 namespace clipshard {
 
 // True when a k-bit dropped value d (0 <= d < 2^k, and d < 2^24 in every use) rounds up for
-// random word r. 32-bit arithmetic only, so that CPU loops over it vectorise.
+// random word r. 32-bit arithmetic with every shift count below 32 and no branches, so that CPU
+// loops over it vectorise.
 CLIPSHARD_HOST_DEVICE bool sr_round_up(uint32_t r, uint32_t d, uint32_t k) {
-  if (k < 32) return (r & ((1u << k) - 1u)) < d;
-  const uint32_t shift = k - 32;  // k == 32: r < d is (r mod 2^32) < d
-  return r < (shift >= 32 ? 0u : (d >> shift));
+  const bool up_small_k = (r & ((1u << (k < 32u ? k : 31u)) - 1u)) < d;  // k < 32: (r mod 2^k) < d
+  const uint32_t top_shift = k <= 32u ? 0u : (k - 32u < 31u ? k - 32u : 31u);
+  const bool up_large_k = r < (d >> top_shift);  // k >= 32: r < top 32 bits of d (0 once k >= 56)
+  return k < 32u ? up_small_k : up_large_k;
 }
 
 // fp32 bits -> fp16 bits. Written as selects rather than early returns so that CPU loops over it
@@ -37,8 +39,9 @@ CLIPSHARD_HOST_DEVICE uint16_t sr_float_to_half_bits(uint32_t bits, uint32_t r, 
   const uint32_t exp32 = mag >> 23;
   const uint32_t sig = exp32 ? ((mag & 0x7fffffu) | 0x800000u) : (mag & 0x7fffffu);
   const uint32_t k = exp32 == 0 ? 125u : (exp32 <= 112u ? 126u - exp32 : 14u);  // 14: unused lanes
-  const uint32_t kept = k >= 32u ? 0u : (sig >> k);
-  const uint32_t dropped = k >= 32u ? sig : (sig & ((1u << k) - 1u));
+  const uint32_t shift = k < 31u ? k : 31u;  // sig < 2^24, so shifting by 31 instead of k >= 31 is exact
+  const uint32_t kept = sig >> shift;
+  const uint32_t dropped = sig & ((1u << shift) - 1u);
   const uint32_t subnormal = kept + (sr_round_up(r, dropped, k) ? 1u : 0u);
 
   uint32_t out = mag >= 0x38800000u ? normal : subnormal;
