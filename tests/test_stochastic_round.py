@@ -184,8 +184,9 @@ def test_random_cases_exact(dtype, cases, largest, saturate):
     for row, rr, (b, k, d, down, up) in zip(got, r, cases):
         want = _hand_expected(rr, k, d, down, up, saturate, largest)
         assert np.array_equal(row, want), f"{b:#010x}: {np.count_nonzero(row != want)} elements differ"
-        if d and not (saturate and (down & 0x7FFF) == largest):
-            assert {down, up if not saturate else want.max()} <= set(row.tolist()) or k > 32
+        collapses = saturate and (down & 0x7FFF) == largest  # up would pass the largest finite
+        if n * d / 2**k >= 8 and not collapses:  # both outcomes expected several times
+            assert len(set(row.tolist())) == 2, f"{b:#010x}: only one outcome seen"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -278,7 +279,7 @@ def test_unbiased(dtype, value):
     y = stochastic_round(x, dtype, seed=1, offset=2).double()
     se = (hi - lo) * math.sqrt(p * (1 - p) / n)
     assert abs(y.mean().item() - xv) <= 5 * se + 1e-12 * abs(xv), (y.mean().item(), xv, se)
-    assert set(y.abs().unique().tolist()) <= {lo, hi} and sign * y.min().item() >= 0 or sign < 0
+    assert set((sign * y).unique().tolist()) <= {lo, hi}  # the two neighbours, with x's sign
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
