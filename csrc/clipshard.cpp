@@ -15,10 +15,11 @@ TORCH_LIBRARY(clipshard, m) {
   // are the Philox key and counter high word, passed as int64 bit patterns of uint64 values.
   m.def("stochastic_round(Tensor src, ScalarType dtype, int seed, int offset, bool saturate) -> Tensor");
   m.def("stochastic_round_into(Tensor(a!) dst, Tensor src, int seed, int offset, bool saturate) -> ()");
-  // Test helper: the first n random words of the stream above as int32 (CPU tensor), word i being
-  // word (i mod 4) of Philox4x32-10(key = seed, counter = (i div 4, offset)); from clipshard's own
-  // Philox, or from ATen's at::Philox4_32 when `aten` (to check that the two agree).
-  m.def("philox_words(int seed, int offset, int n, bool aten=False) -> Tensor");
+  // Test helper: n random words of the stream above as int32 (CPU tensor), starting at block
+  // first_block: word i is word (i mod 4) of Philox4x32-10(key = seed, counter = (first_block +
+  // i div 4, offset)), from the CPU kernel's batch generator (source="kernel"), from philox_block
+  // of the shared header ("header", what the CUDA kernel uses) or from ATen's at::Philox4_32 ("aten").
+  m.def("philox_words(int seed, int offset, int n, int first_block=0, str source=\"kernel\") -> Tensor");
 
   // One AdamW step over lists of tensors sharing a device, a param dtype (fp32/fp16/bf16) and a state
   // dtype (docs/optimizer.md). Updates params, exp_avgs and exp_avg_sqs in place; steps[i] is the

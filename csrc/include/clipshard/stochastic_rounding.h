@@ -15,11 +15,12 @@
 namespace clipshard {
 
 // True when a k-bit dropped value d (0 <= d < 2^k, and d < 2^24 in every use) rounds up for
-// random word r. 32-bit arithmetic only, so that CPU loops over it vectorise.
+// random word r: (r mod 2^k) < d for k < 32, else r < d >> (k - 32), the top 32 bits of d (0 once
+// k >= 56). One 32-bit compare, every shift count below 32, no branches: CPU loops vectorise.
 CLIPSHARD_HOST_DEVICE bool sr_round_up(uint32_t r, uint32_t d, uint32_t k) {
-  if (k < 32) return (r & ((1u << k) - 1u)) < d;
-  const uint32_t shift = k - 32;  // k == 32: r < d is (r mod 2^32) < d
-  return r < (shift >= 32 ? 0u : (d >> shift));
+  const uint32_t mask = k < 32u ? (1u << (k < 32u ? k : 0u)) - 1u : 0xffffffffu;
+  const uint32_t shift = k <= 32u ? 0u : (k - 32u < 31u ? k - 32u : 31u);
+  return (r & mask) < (d >> shift);
 }
 
 // fp32 bits -> fp16 bits. Written as selects rather than early returns so that CPU loops over it
@@ -35,10 +36,12 @@ CLIPSHARD_HOST_DEVICE uint16_t sr_float_to_half_bits(uint32_t bits, uint32_t r, 
   // fp32 normals, mant * 2^-149 for fp32 subnormals (exp32 == 0); so |x| / 2^-24 = sig / 2^k with
   // k = 126 - exp32 (125) dropped bits, k >= 14. A carry out of 1023 gives 1024, the smallest normal.
   const uint32_t exp32 = mag >> 23;
-  const uint32_t sig = exp32 ? ((mag & 0x7fffffu) | 0x800000u) : (mag & 0x7fffffu);
-  const uint32_t k = exp32 == 0 ? 125u : (exp32 <= 112u ? 126u - exp32 : 14u);  // 14: unused lanes
-  const uint32_t kept = k >= 32u ? 0u : (sig >> k);
-  const uint32_t dropped = k >= 32u ? sig : (sig & ((1u << k) - 1u));
+  const uint32_t sig = (mag & 0x7fffffu) | (exp32 ? 0x800000u : 0u);
+  const uint32_t scale_exp = exp32 ? (exp32 < 112u ? exp32 : 112u) : 1u;  // fp32 subnormals: as 1
+  const uint32_t k = 126u - scale_exp;  // (k = 14 on lanes in the normal range, unused there)
+  const uint32_t shift = k < 31u ? k : 31u;  // sig < 2^24, so shifting by 31 instead of k >= 31 is exact
+  const uint32_t kept = sig >> shift;
+  const uint32_t dropped = sig & ((1u << shift) - 1u);
   const uint32_t subnormal = kept + (sr_round_up(r, dropped, k) ? 1u : 0u);
 
   uint32_t out = mag >= 0x38800000u ? normal : subnormal;
