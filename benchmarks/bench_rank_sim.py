@@ -63,7 +63,7 @@ def make_problem(M, K, D, dtype, device):
 
 def fused_forward(p, tensor_cores):
     return ops.contrastive_lse_forward(p["rows"], p["cols"], p["scale"], None, p["pos"], True,
-                                       False, tensor_cores)
+                                       False, tensor_cores, False)
 
 
 def fused_forward_backward(p, tensor_cores):
