@@ -13,6 +13,7 @@ import os
 import torch
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
+from clipshard._checks import check_feature_pair
 
 TENSOR_CORES = os.environ.get("CLIPSHARD_TENSOR_CORES", "0") == "1"
 
@@ -87,16 +88,7 @@ def _check_scalar(name, value, rows):
 
 
 def _check_features(rows, cols, pos_offset):
-    for name, t, shape in (("rows", rows, "M x D"), ("cols", cols, "K x D")):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"contrastive_lse: {name} must be a tensor, got {type(t).__name__}")
-        if t.dim() != 2:
-            raise ValueError(f"contrastive_lse: {name} must be 2-D ({shape}), got shape {tuple(t.shape)}")
-    if rows.device != cols.device:
-        raise ValueError(f"contrastive_lse: rows and cols must be on the same device, got {rows.device} "
-                         f"and {cols.device}")
-    if rows.dtype != cols.dtype:
-        raise TypeError(f"contrastive_lse: rows and cols must have the same dtype, got {rows.dtype} and {cols.dtype}")
+    check_feature_pair("contrastive_lse", ("rows", "cols"), rows, cols, ("M x D", "K x D"))
     if rows.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"contrastive_lse: rows must be float32, float16, bfloat16 or float64, got {rows.dtype}")
     if rows.shape[1] != cols.shape[1]:
