@@ -5,15 +5,13 @@ CPU (default): a world-size-2 gloo group on this machine, one thread per rank. C
 per GPU with NCCL; with a single GPU the run is world size 1 (no communication, so it measures the
 local kernels only) and the output says that a multi-GPU run needs more than one GPU.
 
-Time: median over --steps steps (after one warm-up) of each rank's forward + backward; methods are
-interleaved step by step so that a busy machine slows all of them alike. Memory: peak bytes the
+Time: median and 20/80 % quantiles over --steps steps (after one warm-up) of each rank's forward +
+backward; methods are interleaved step by step so that a busy machine slows all of them alike. Memory: peak bytes the
 loss step allocates beyond the inputs (benchmarks/_measure.py), in a separate step.
 
     python benchmarks/bench_distributed.py --device cpu --json bench_distributed.json
 """
-import argparse
 import datetime
-import json
 import os
 import socket
 import sys
@@ -24,7 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import median, peak_memory_bytes, time_call  # noqa: E402
+from _measure import (fmt, parser_with_common_arguments, peak_memory_bytes, print_table, summarize,  # noqa: E402
+                      time_call, write_json)
 
 MIB = 2 ** 20
 
@@ -89,7 +88,7 @@ def _measure_rank(rank, world_size, device, args):
                 times[name].append(seconds)
     for name, loss_fn in losses.items():
         peak = peak_memory_bytes(step(loss_fn), device)
-        out["methods"][name] = {"median_s": median(times[name]), "times_s": times[name], "peak_bytes": peak}
+        out["methods"][name] = {**summarize(times[name]), "times_s": times[name], "peak_bytes": peak}
     return out
 
 
@@ -112,31 +111,35 @@ def _run(world_size, args):
     return [per_rank[r] for r in range(world_size)]
 
 
-def _table(per_rank, args, world_size):
-    names = list(per_rank[0]["methods"])
-    base = per_rank[0]["methods"].get("open_clip")
-    lines = [f"world size {world_size}, {args.device}, B_local={args.batch}, D={args.dim}, {args.dtype}; "
-             f"median of {args.steps} steps; peak = bytes the loss step allocates beyond its inputs",
-             f"{'method':<20} {'rank':>4} {'time (s)':>10} {'peak (MiB)':>11} {'speed-up':>9} {'memory /':>9}"]
-    summary = {}
-    for name in names:
-        for r, res in enumerate(per_rank):
-            m = res["methods"][name]
-            mine = per_rank[r]["methods"].get("open_clip")
-            speed = mine["median_s"] / m["median_s"] if mine else float("nan")
-            memory = mine["peak_bytes"] / max(m["peak_bytes"], 1) if mine else float("nan")
-            lines.append(f"{name:<20} {r:>4} {m['median_s']:>10.3f} {m['peak_bytes'] / MIB:>11.1f} "
-                         f"{speed:>8.2f}x {memory:>8.1f}x")
+def _summary(per_rank):
+    """Per method and rank: time, peak memory and both ratios against open_clip on the same rank."""
+    rows, summary = [], {}
+    for name in per_rank[0]["methods"]:
+        for rank, res in enumerate(per_rank):
+            m, base = res["methods"][name], res["methods"].get("open_clip")
+            speed = base["median_s"] / m["median_s"] if base else None
+            memory = base["peak_bytes"] / max(m["peak_bytes"], 1) if base else None
+            rows.append({"method": name, "rank": rank, **m, "speedup": speed, "memory_ratio": memory})
             summary.setdefault(name, []).append({"speedup_vs_open_clip": speed, "memory_ratio_vs_open_clip": memory})
-    if base is None:
-        lines.append("(no open_clip baseline)")
-    return "\n".join(lines), summary
+    return rows, summary
+
+
+def _print_table(rows, args, world_size):
+    print_table([
+        ("method", lambda r: r["method"], "<"),
+        ("rank", lambda r: str(r["rank"])),
+        ("time (s)", lambda r: f"{r['median_s']:.3f}"),
+        ("peak (MiB)", lambda r: f"{r['peak_bytes'] / MIB:.1f}"),
+        ("speed-up", lambda r: fmt(r["speedup"], ".2f") + "x"),
+        ("memory /", lambda r: fmt(r["memory_ratio"], ".1f") + "x"),
+    ], rows, title=f"world size {world_size}, {args.device}, B_local={args.batch}, D={args.dim}, {args.dtype}; "
+                   f"median of {args.steps} steps; peak = bytes the loss step allocates beyond its inputs")
+    if all(r["speedup"] is None for r in rows):
+        print("(no open_clip baseline)")
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--json", help="write the results to this file")
+    parser = parser_with_common_arguments(__doc__)
     parser.add_argument("--batch", type=int, default=4096, help="local batch size per rank")
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
@@ -169,12 +172,10 @@ def main():
             print(errors[0])
             report["error"] = errors[0]
         else:
-            table, summary = _table(per_rank, args, world_size)
-            print(table)
+            rows, summary = _summary(per_rank)
+            _print_table(rows, args, world_size)
             report.update(per_rank=per_rank, summary=summary, note=per_rank[0]["note"])
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+    write_json(args.json, report)
     return 1 if report.get("error") else 0
 
 

@@ -7,19 +7,23 @@
 2. Median step time (20/80 % quantiles) at several model sizes, for clipshard (bf16/bf16 and
    fp32/fp32) and torch.optim.AdamW (foreach and fused, fp32; foreach on bf16 weights with
    round-to-nearest), with the effective bandwidth: the bytes one fused pass must move (read
-   weight, grad, both moments; write weight and moments) over the step time. On CUDA also the
-   device's measured copy bandwidth and the fraction of it each optimizer achieves.
+   weight, grad, both moments; write weight and moments) over the step time, the bytes each setup
+   holds (weights, grads, state) and the peak memory one step allocates beyond them
+   (benchmarks/_measure.py). On CUDA also the device's measured copy bandwidth and the fraction of
+   it each optimizer achieves.
 Usage: python benchmarks/bench_optim.py --device {cpu,cuda} [--json PATH] [--sizes 10e6 50e6]
 """
-import argparse
-import json
-import statistics
-import time
+import os
+import sys
 
 import torch
 
 import clipshard  # noqa: F401
 from clipshard.optim import AdamW
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _measure import (fmt, parser_with_common_arguments, peak_memory_bytes, print_table,  # noqa: E402
+                      require_device, run_metadata, time_repeats, write_json)
 
 
 def model_tensors(total, dtype, device, seed=0):
@@ -75,125 +79,91 @@ def bytes_per_parameter(device):
     return out
 
 
-def synchronize(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_steps(opt, device, repeats, warmup=2):
-    for _ in range(warmup):
-        opt.step()
-    synchronize(device)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            opt.step()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            opt.step()
-            times.append(time.perf_counter() - t0)
-    q = statistics.quantiles(times, n=5) if len(times) > 1 else times * 4
-    return statistics.median(times), q[0], q[3]
-
-
 def copy_bandwidth(device):
     """Bytes read + written per second by a large device-to-device copy."""
     src = torch.empty(256 * 2**20, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    synchronize(device)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return 2 * src.numel() * src.element_size() / statistics.median(times)
+    seconds = time_repeats(lambda: dst.copy_(src), device, repeats=10, warmup=3)["median_s"]
+    return 2 * src.numel() * src.element_size() / seconds
 
 
-def configs(device):
-    fused_ok = True
+def configs():
+    """(name, param dtype, bytes per parameter, bytes per state element, make optimizer)."""
     yield "clipshard bf16/bf16 SR", torch.bfloat16, 2, 2, lambda ps: AdamW(ps)
     yield "clipshard fp32/fp32", torch.float32, 4, 4, lambda ps: AdamW(ps)
     yield "torch foreach fp32", torch.float32, 4, 4, lambda ps: torch.optim.AdamW(ps, foreach=True)
-    if fused_ok:
-        yield "torch fused fp32", torch.float32, 4, 4, lambda ps: torch.optim.AdamW(ps, fused=True)
+    yield "torch fused fp32", torch.float32, 4, 4, lambda ps: torch.optim.AdamW(ps, fused=True)
     yield "torch foreach bf16 RN", torch.bfloat16, 2, 2, lambda ps: torch.optim.AdamW(ps, foreach=True)
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    parser.add_argument("--json", default=None)
+    parser = parser_with_common_arguments(__doc__)
     parser.add_argument("--sizes", type=float, nargs="+", default=None,
                         help="model sizes in parameters (default: 10e6 50e6 on CPU, 10e6 100e6 on CUDA)")
     parser.add_argument("--repeats", type=int, default=None)
     args = parser.parse_args()
+    require_device("bench_optim", args.device)
     device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("bench_optim: --device cuda but no CUDA device is available")
     sizes = [int(s) for s in (args.sizes or ([10e6, 100e6] if device.type == "cuda" else [10e6, 50e6]))]
     repeats = args.repeats or (20 if device.type == "cuda" else 5)
-    result = {"device": str(device), "torch": torch.__version__, "threads": torch.get_num_threads()}
-    if device.type == "cuda":
-        result["gpu"] = torch.cuda.get_device_name(device)
+    result = run_metadata(device)
 
     result["bytes_per_parameter"] = bytes_per_parameter(device)
-    print("bytes per parameter (measured from the tensors held after one step)")
-    print(f"{'setup':58} {'weights':>8} {'grads':>6} {'state':>6} {'w+state':>8} {'w+g+state':>10}")
-    for name, r in result["bytes_per_parameter"].items():
-        print(f"{name:58} {r['weights']:8.2f} {r['grads']:6.2f} {r['optimizer_state']:6.2f} "
-              f"{r['weights_plus_state']:8.2f} {r['weights_grads_state']:10.2f}")
+    print_table([
+        ("setup", lambda item: item[0], "<"),
+        ("weights", lambda item: f"{item[1]['weights']:.2f}"),
+        ("grads", lambda item: f"{item[1]['grads']:.2f}"),
+        ("state", lambda item: f"{item[1]['optimizer_state']:.2f}"),
+        ("w+state", lambda item: f"{item[1]['weights_plus_state']:.2f}"),
+        ("w+g+state", lambda item: f"{item[1]['weights_grads_state']:.2f}"),
+    ], list(result["bytes_per_parameter"].items()),
+        title="bytes per parameter (measured from the tensors held after one step)")
 
     copy_bw = copy_bandwidth(device) if device.type == "cuda" else None
     result["copy_bandwidth_GBps"] = copy_bw / 1e9 if copy_bw else None
     rows = []
     for size in sizes:
-        for name, dtype, param_bytes, state_bytes, make in configs(device):
+        for name, dtype, param_bytes, state_bytes, make in configs():
             params = model_tensors(size, dtype, device)
             try:
                 opt = make(params)
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                median, q20, q80 = time_steps(opt, device, repeats)
+                row = time_repeats(opt.step, device, repeats, warmup=2)
             except (RuntimeError, NotImplementedError) as error:  # e.g. fused unsupported here
                 print(f"{name} at {size:.0e}: skipped ({str(error).splitlines()[0]})")
                 continue
             count = sum(p.numel() for p in params)
             moved = count * (3 * param_bytes + 4 * state_bytes)  # read p, g, m, v; write p, m, v
-            row = {"size": count, "optimizer": name, "median_s": median, "q20_s": q20, "q80_s": q80,
-                   "effective_GBps": moved / median / 1e9,
-                   "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                   else tensor_bytes(params) + tensor_bytes([p.grad for p in params]) + tensor_bytes(state_tensors(opt))}
+            row.update(size=count, optimizer=name, effective_GBps=moved / row["median_s"] / 1e9,
+                       held_bytes=tensor_bytes(params + [p.grad for p in params] + state_tensors(opt)),
+                       step_peak_extra_bytes=peak_memory_bytes(opt.step, device))
             if copy_bw:
-                row["fraction_of_copy_bandwidth"] = moved / median / copy_bw
+                row["fraction_of_copy_bandwidth"] = moved / row["median_s"] / copy_bw
             rows.append(row)
             del opt, params
     result["step_times"] = rows
-
-    print(f"\nstep time on {device} ({result['threads']} threads), median of {repeats} "
-          f"[20%, 80%]; effective bandwidth = minimal bytes of one fused pass / time")
-    if copy_bw:
-        print(f"device copy bandwidth: {copy_bw / 1e9:.0f} GB/s")
-    header = f"{'params':>11} {'optimizer':24} {'median ms':>10} {'[q20, q80]':>17} {'GB/s':>7} {'vs torch foreach fp32':>22}"
-    print(header + ("  frac of copy bw" if copy_bw else ""))
     for row in rows:
-        base = next(r for r in rows if r["size"] == row["size"] and r["optimizer"] == "torch foreach fp32")
-        line = (f"{row['size']:>11,} {row['optimizer']:24} {row['median_s'] * 1e3:10.2f} "
-                f"[{row['q20_s'] * 1e3:7.2f}, {row['q80_s'] * 1e3:7.2f}] {row['effective_GBps']:7.1f} "
-                f"{base['median_s'] / row['median_s']:21.2f}x")
-        print(line + (f"  {row['fraction_of_copy_bandwidth']:15.0%}" if copy_bw else ""))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        base = next((r for r in rows if r["size"] == row["size"] and r["optimizer"] == "torch foreach fp32"), None)
+        row["speedup_vs_torch_foreach_fp32"] = base["median_s"] / row["median_s"] if base else None
+
+    columns = [
+        ("params", lambda r: f"{r['size']:,}"),
+        ("optimizer", lambda r: r["optimizer"], "<"),
+        ("median ms", lambda r: f"{r['median_s'] * 1e3:.2f}"),
+        ("[p20, p80] ms", lambda r: f"[{r['p20_s'] * 1e3:.2f}, {r['p80_s'] * 1e3:.2f}]"),
+        ("GB/s", lambda r: f"{r['effective_GBps']:.1f}"),
+        ("vs torch foreach fp32", lambda r: fmt(r["speedup_vs_torch_foreach_fp32"], ".2f") + "x"),
+        ("held MiB", lambda r: f"{r['held_bytes'] / 2**20:.0f}"),
+        ("step extra MiB", lambda r: f"{r['step_peak_extra_bytes'] / 2**20:.1f}"),
+    ]
+    if copy_bw:
+        columns.append(("frac of copy bw", lambda r: f"{r['fraction_of_copy_bandwidth']:.0%}"))
+    title = (f"\nstep time on {device} ({result['threads']} threads), median of {repeats} [20%, 80%]; "
+             "effective bandwidth = minimal bytes of one fused pass / time; held = weights + grads + "
+             "state; step extra = peak memory one step allocates beyond them")
+    if copy_bw:
+        title += f"\ndevice copy bandwidth: {copy_bw / 1e9:.0f} GB/s"
+    print_table(columns, rows, title=title)
+    write_json(args.json, result)
 
 
 if __name__ == "__main__":

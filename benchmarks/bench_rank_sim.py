@@ -1,7 +1,7 @@
 """One rank's work in the sharded contrastive loss, on one device ("rank simulation").
 
 A rank of 8 holds M = 8192 local rows and sees K = 65536 gathered columns (D = 768, bf16). This
-script times (median of CUDA events, 20/80 % quantiles) and measures the peak extra memory of
+script times (median, 20/80 % quantiles) and measures the peak extra memory (benchmarks/_measure.py) of
   - the fused op (torch.ops.clipshard.contrastive_lse_forward / _backward, row + column LSE),
     both kernel paths (tensor_cores False / True);
   - the materialised equivalent: logits = s * A @ B^T, row/column logsumexp and their backward;
@@ -12,16 +12,17 @@ forward, three times that forward + backward (S, dA, dB).
 
 Usage: bench_rank_sim.py --device {cpu,cuda} [--json PATH]. On CPU a scaled-down fp32 size runs.
 """
-import argparse
-import json
-import statistics
+import os
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 import clipshard  # noqa: F401  (loads torch.ops.clipshard)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _measure import (fmt, parser_with_common_arguments, peak_memory_bytes, print_table,  # noqa: E402
+                      require_device, run_metadata, time_call, time_repeats, write_json)
 
 SIZES = {
     "cuda": dict(M=8192, K=65536, D=768, dtype=torch.bfloat16),
@@ -35,42 +36,14 @@ def has_kernel(device):
     return torch._C._dispatch_has_kernel_for_dispatch_key("clipshard::contrastive_lse_forward", key)
 
 
-def sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def measure(fn, device, budget_s=1.5, min_reps=3, max_reps=20):
-    """(median, q20, q80) seconds and peak memory above what was allocated before the call."""
-    sync(device)
-    start = time.perf_counter()
-    fn()  # warm-up (and first-call allocations)
-    sync(device)
-    first = time.perf_counter() - start
-    peak = None
-    if device == "cuda":
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        out = fn()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - base
-        del out
+    """Time of about budget_s worth of calls (median, 20/80 % quantiles) and the peak memory of one
+    call above what was allocated before it."""
+    first = time_call(fn, device)  # warm-up (and first-call allocations); sets the number of repeats
     reps = max(min_reps, min(max_reps, int(budget_s / max(first, 1e-6))))
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(begin.elapsed_time(end) / 1e3)
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - begin)
-    q = statistics.quantiles(times, n=10) if len(times) > 1 else [times[0]] * 9
-    return statistics.median(times), q[1], q[7], peak
+    result = time_repeats(fn, device, reps, warmup=0)
+    result["peak_extra_bytes"] = peak_memory_bytes(fn, device)
+    return result
 
 
 def make_problem(M, K, D, dtype, device):
@@ -90,7 +63,7 @@ def make_problem(M, K, D, dtype, device):
 
 def fused_forward(p, tensor_cores):
     return ops.contrastive_lse_forward(p["rows"], p["cols"], p["scale"], None, p["pos"], True,
-                                       False, tensor_cores)
+                                       False, tensor_cores, False)
 
 
 def fused_forward_backward(p, tensor_cores):
@@ -136,13 +109,9 @@ def local_forward_backward(p):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda")
-    parser.add_argument("--json", default=None, help="write the results to this JSON file")
-    args = parser.parse_args()
+    args = parser_with_common_arguments(__doc__).parse_args()
     device = args.device
-    if device == "cuda" and not torch.cuda.is_available():
-        sys.exit("bench_rank_sim: --device cuda but no CUDA device is available")
+    require_device("bench_rank_sim", device)
     size = SIZES[device]
     M, K, D, dtype = size["M"], size["K"], size["D"], size["dtype"]
     p = make_problem(M, K, D, dtype, device)
@@ -169,9 +138,8 @@ def main():
             row["error"] = f"no {device.upper()} kernel registered in this build"
         else:
             try:
-                median, q20, q80, peak = measure(fn, device)
-                row.update(median_s=median, q20_s=q20, q80_s=q80, peak_extra_bytes=peak,
-                           tflops=flops / median / 1e12)
+                row.update(measure(fn, device))
+                row["tflops"] = flops / row["median_s"] / 1e12
             except Exception as err:  # report every configuration, fail at the end
                 row["error"] = f"{type(err).__name__}: {err}"
                 failed = True
@@ -187,33 +155,29 @@ def main():
         r["fraction_of_matmul_rate"] = r["tflops"] / rate if rate else None
         base = local.get(r["mode"])
         r["speedup_vs_local"] = base["median_s"] / r["median_s"] if base else None
-        if base and base.get("peak_extra_bytes") and r["peak_extra_bytes"] is not None:
+        if base and base["peak_extra_bytes"]:
             r["memory_vs_local"] = r["peak_extra_bytes"] / base["peak_extra_bytes"]
 
     title = f"rank simulation on {device}: M={M}, K={K}, D={D}, {str(dtype).replace('torch.', '')}"
     if device == "cuda":
         title += f", {torch.cuda.get_device_name()}"
-    print(title)
-    header = f"{'config':36s} {'median ms':>10s} {'q20-q80 ms':>15s} {'TFLOP/s':>8s} {'x matmul':>8s} {'peak MiB':>9s} {'x local':>8s} {'mem/local':>9s}"
-    print(header)
-    print("-" * len(header))
-    fmt = lambda v, f: (f.format(v) if v is not None else "n/a")  # noqa: E731
+    timed = lambda cell: lambda r: cell(r) if "median_s" in r else "error"  # noqa: E731
+    print_table([
+        ("config", lambda r: r["name"], "<"),
+        ("median ms", timed(lambda r: f"{r['median_s'] * 1e3:.2f}")),
+        ("p20-p80 ms", timed(lambda r: f"{r['p20_s'] * 1e3:.2f}-{r['p80_s'] * 1e3:.2f}")),
+        ("TFLOP/s", timed(lambda r: f"{r['tflops']:.3f}")),
+        ("x matmul", timed(lambda r: fmt(r["fraction_of_matmul_rate"], ".3f"))),
+        ("peak MiB", timed(lambda r: f"{r['peak_extra_bytes'] / 2**20:.1f}")),
+        ("x local", timed(lambda r: fmt(r["speedup_vs_local"], ".2f"))),
+        ("mem/local", timed(lambda r: fmt(r.get("memory_vs_local"), ".4f"))),
+    ], results, title=title)
     for r in results:
-        if "median_s" not in r:
-            print(f"{r['name']:36s} {r['error']}")
-            continue
-        peak = r["peak_extra_bytes"] / 2**20 if r["peak_extra_bytes"] is not None else None
-        print(f"{r['name']:36s} {r['median_s'] * 1e3:10.2f} "
-              f"{r['q20_s'] * 1e3:7.2f}-{r['q80_s'] * 1e3:<7.2f} {r['tflops']:8.3f} "
-              f"{fmt(r['fraction_of_matmul_rate'], '{:8.3f}'):>8s} {fmt(peak, '{:9.1f}'):>9s} "
-              f"{fmt(r['speedup_vs_local'], '{:8.2f}'):>8s} {fmt(r.get('memory_vs_local'), '{:9.4f}'):>9s}")
+        if "error" in r:
+            print(f"error in {r['name']}: {r['error']}")
     print("TFLOP/s: 2MKD per logit block (x3 for fwd+bwd); x matmul: fraction of the plain matmul "
           "rate; x local: open_clip local time / this time; peak MiB: above inputs, outputs included")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(dict(device=device, M=M, K=K, D=D, dtype=str(dtype),
-                           gpu=torch.cuda.get_device_name() if device == "cuda" else None,
-                           torch=torch.__version__, results=results), fh, indent=2)
+    write_json(args.json, dict(**run_metadata(device), M=M, K=K, D=D, dtype=str(dtype), results=results))
     return 1 if failed else 0
 
 

@@ -1,11 +1,12 @@
 """The stall that stochastic rounding prevents, as loss curves.
 
-Least-squares regression (256 samples, 64 weights initialised at 1.0, targets from weights
-1 + 0.1 * N(0, 1)) trained with clipshard.optim.AdamW (lr 1e-3, no weight decay) three ways: fp32
-weights and states; bf16 weights and states with stochastic rounding; the same with round to
-nearest. Adam moves each weight by about lr per step, below half an ulp of bf16 at 1.0 (2^-8), so
-round to nearest never moves a weight, while stochastic rounding follows the fp32 curve down to
-bf16's quantisation floor. Saves optim_stall.png (and .json) under --out and prints the losses.
+The regression of clipshard.reference.stall_regression (the one tests/test_optim.py checks: 256
+samples, 64 weights initialised at 1.0, targets from weights 1 + 0.1 * N(0, 1)) trained with
+clipshard.optim.AdamW (lr 1e-3, no weight decay) three ways: fp32 weights and states; bf16 weights
+and states with stochastic rounding; the same with round to nearest. Adam moves each weight by
+about lr per step, below half an ulp of bf16 at 1.0 (2^-8), so round to nearest never moves a
+weight, while stochastic rounding follows the fp32 curve down to bf16's quantisation floor.
+Saves optim_stall.png (and .json) under --out and prints the losses.
 Usage: python benchmarks/plot_optim_stall.py --out DIR [--steps 400] [--device cpu]
 """
 import argparse
@@ -14,24 +15,7 @@ import os
 
 import torch
 
-import clipshard  # noqa: F401
-from clipshard.optim import AdamW
-
-
-def train(param_dtype, stochastic, steps, lr, device):
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(256, 64, generator=gen).to(device)
-    y = x @ (1.0 + 0.1 * torch.randn(64, generator=gen)).to(device)
-    w = torch.ones(64, dtype=param_dtype, device=device, requires_grad=True)
-    opt = AdamW([w], lr=lr, weight_decay=0.0, stochastic_rounding=stochastic)
-    losses = []
-    for _ in range(steps):
-        loss = ((x @ w.float() - y) ** 2).mean()
-        losses.append(loss.item())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return losses
+from clipshard.reference import stall_regression
 
 
 def main():
@@ -41,12 +25,13 @@ def main():
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
-    torch.manual_seed(0)
-    curves = {
-        "fp32 weights + states": train(torch.float32, True, args.steps, args.lr, args.device),
-        "bf16 weights + states, stochastic rounding": train(torch.bfloat16, True, args.steps, args.lr, args.device),
-        "bf16 weights + states, round to nearest": train(torch.bfloat16, False, args.steps, args.lr, args.device),
+    setups = {
+        "fp32 weights + states": (torch.float32, True),
+        "bf16 weights + states, stochastic rounding": (torch.bfloat16, True),
+        "bf16 weights + states, round to nearest": (torch.bfloat16, False),
     }
+    curves = {name: stall_regression(dtype, stochastic, args.steps, args.lr, args.device)[0]
+              for name, (dtype, stochastic) in setups.items()}
     for name, losses in curves.items():
         marks = ", ".join(f"step {i}: {losses[i]:.3g}" for i in (0, 50, 100, 200, args.steps - 1) if i < args.steps)
         print(f"{name:45} {marks}")

@@ -9,16 +9,15 @@ off by default until that path has been verified on a GPU; the module-level `TEN
 can also be set at run time. On CPU it has no effect.
 """
 import os
-import threading
 
 import torch
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
+from clipshard._checks import check_feature_pair
 
 TENSOR_CORES = os.environ.get("CLIPSHARD_TENSOR_CORES", "0") == "1"
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-_state = threading.local()  # carries the wrapper's `deterministic` keyword to setup_context
 
 
 def _acc_dtype(dtype):
@@ -27,7 +26,7 @@ def _acc_dtype(dtype):
 
 
 @torch.library.register_fake("clipshard::contrastive_lse_forward")
-def _forward_fake(rows, cols, scale, bias, pos_offset, want_col_lse, allow_tf32, tensor_cores):
+def _forward_fake(rows, cols, scale, bias, pos_offset, want_col_lse, allow_tf32, tensor_cores, deterministic):
     torch._check(rows.dim() == 2 and cols.dim() == 2, lambda: "contrastive_lse_forward: rows and cols must be 2-D")
     torch._check(rows.shape[1] == cols.shape[1],
                  lambda: "contrastive_lse_forward: rows and cols must have the same feature size D")
@@ -45,14 +44,14 @@ def _backward_fake(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale
 
 
 def _setup_context(ctx, inputs, output):
-    rows, cols, scale, bias, pos_offset, want_col_lse, allow_tf32, tensor_cores = inputs
+    rows, cols, scale, bias, pos_offset, want_col_lse, allow_tf32, tensor_cores, deterministic = inputs
     row_lse, _, col_lse = output
     ctx.save_for_backward(rows, cols, scale, bias, row_lse, col_lse if want_col_lse else None)
     ctx.pos_offset = pos_offset
     ctx.want_col_lse = want_col_lse
     ctx.allow_tf32 = allow_tf32
     ctx.tensor_cores = tensor_cores
-    ctx.deterministic = getattr(_state, "deterministic", False) or torch.are_deterministic_algorithms_enabled()
+    ctx.deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
 
 
 def _backward(ctx, grad_row_lse, grad_pos_logit, grad_col_lse):
@@ -67,7 +66,7 @@ def _backward(ctx, grad_row_lse, grad_pos_logit, grad_col_lse):
     grad_rows, grad_cols, grad_scale, grad_bias = torch.ops.clipshard.contrastive_lse_backward(
         grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, ctx.pos_offset, row_lse,
         col_lse, ctx.allow_tf32, ctx.tensor_cores, ctx.deterministic)
-    return grad_rows, grad_cols, grad_scale, grad_bias if bias is not None else None, None, None, None, None
+    return grad_rows, grad_cols, grad_scale, grad_bias if bias is not None else None, None, None, None, None, None
 
 
 torch.library.register_autograd("clipshard::contrastive_lse_forward", _backward, setup_context=_setup_context)
@@ -89,16 +88,7 @@ def _check_scalar(name, value, rows):
 
 
 def _check_features(rows, cols, pos_offset):
-    for name, t, shape in (("rows", rows, "M x D"), ("cols", cols, "K x D")):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"contrastive_lse: {name} must be a tensor, got {type(t).__name__}")
-        if t.dim() != 2:
-            raise ValueError(f"contrastive_lse: {name} must be 2-D ({shape}), got shape {tuple(t.shape)}")
-    if rows.device != cols.device:
-        raise ValueError(f"contrastive_lse: rows and cols must be on the same device, got {rows.device} "
-                         f"and {cols.device}")
-    if rows.dtype != cols.dtype:
-        raise TypeError(f"contrastive_lse: rows and cols must have the same dtype, got {rows.dtype} and {cols.dtype}")
+    check_feature_pair("contrastive_lse", ("rows", "cols"), rows, cols, ("M x D", "K x D"))
     if rows.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"contrastive_lse: rows must be float32, float16, bfloat16 or float64, got {rows.dtype}")
     if rows.shape[1] != cols.shape[1]:
@@ -136,13 +126,6 @@ def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=Tru
     scale = _check_scalar("scale", scale, rows)
     if bias is not None:
         bias = _check_scalar("bias", bias, rows)
-    allow_tf32 = torch.backends.cuda.matmul.allow_tf32
-    if not deterministic:
-        return torch.ops.clipshard.contrastive_lse_forward(rows, cols, scale, bias, pos_offset, want_col_lse,
-                                                           allow_tf32, TENSOR_CORES)
-    _state.deterministic = True
-    try:
-        return torch.ops.clipshard.contrastive_lse_forward(rows, cols, scale, bias, pos_offset, want_col_lse,
-                                                           allow_tf32, TENSOR_CORES)
-    finally:
-        _state.deterministic = False
+    return torch.ops.clipshard.contrastive_lse_forward(rows, cols, scale, bias, pos_offset, want_col_lse,
+                                                       torch.backends.cuda.matmul.allow_tf32, TENSOR_CORES,
+                                                       deterministic)

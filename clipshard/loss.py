@@ -4,23 +4,15 @@ import torch
 
 from clipshard import distributed as cdist
 from clipshard import sharded_loss
+from clipshard._checks import check_feature_pair
 from clipshard.fused_op import contrastive_lse
 
 _MODES = ("exchange", "local")
 
 
 def _check_pair(image_features, text_features, fn="clip_loss"):
-    for name, t in (("image_features", image_features), ("text_features", text_features)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{fn}: {name} must be a tensor, got {type(t).__name__}")
-        if t.dim() != 2:
-            raise ValueError(f"{fn}: {name} must be 2-D (batch x dim), got shape {tuple(t.shape)}")
-    if image_features.dtype != text_features.dtype:
-        raise TypeError(f"{fn}: image_features and text_features must have the same dtype, got "
-                        f"{image_features.dtype} and {text_features.dtype}")
-    if image_features.device != text_features.device:
-        raise ValueError(f"{fn}: image_features and text_features must be on the same device, got "
-                         f"{image_features.device} and {text_features.device}")
+    check_feature_pair(fn, ("image_features", "text_features"), image_features, text_features,
+                       ("batch x dim", "batch x dim"))
     if image_features.shape != text_features.shape:
         raise ValueError(f"{fn}: image_features and text_features must have the same shape, got "
                          f"{tuple(image_features.shape)} and {tuple(text_features.shape)}")

@@ -1,6 +1,9 @@
 """Pure-PyTorch references, computed in fp64 and materialising everything. Used by the tests and
 the benchmarks as the ground truth; never used in training."""
+import numpy as np
 import torch
+
+from clipshard.optim import AdamW
 
 
 def similarity_reference(rows, cols, scale, bias=None):
@@ -33,7 +36,6 @@ def clip_loss_reference(image_features, text_features, logit_scale, logit_bias=N
 # Philox4x32-10 written from the Random123 description, and the rounding rule computed from the
 # float values (neighbours and spacing in exact fp64 arithmetic) rather than from bit fields.
 # ---------------------------------------------------------------------------------------------
-import numpy as np  # noqa: E402
 
 _MASK32 = 0xFFFFFFFF
 _PHILOX_M = (0xD2511F53, 0xCD9E8D57)  # round multipliers
@@ -203,6 +205,8 @@ def half_neighbours(x, dtype):
 
 # --- A training problem for clipshard.optim.AdamW: the stall that stochastic rounding prevents ----
 
+
+
 def stall_regression(param_dtype, stochastic_rounding, steps=400, lr=1e-3, device="cpu"):
     """Least-squares regression (256 samples, 64 weights initialised at 1.0, targets from weights
     1 + 0.1 * N(0, 1)) trained with clipshard.optim.AdamW (no weight decay; rounding bits from a
@@ -210,6 +214,7 @@ def stall_regression(param_dtype, stochastic_rounding, steps=400, lr=1e-3, devic
     half an ulp of bf16 at 1.0 (2^-8), so round to nearest never moves a bf16 weight while
     stochastic rounding follows fp32 training. Returns (the loss before each step, final weights)."""
     from clipshard.optim import AdamW  # here, not at the top: clipshard.optim may import this module
+
 
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(256, 64, generator=gen).to(device)

@@ -33,10 +33,11 @@ TORCH_LIBRARY(clipshard, m) {
   // Fused similarity + online log-sum-exp (docs/fused_loss.md). S = scale * rows @ cols^T (+ bias).
   // Forward: row_lse[i] = logsumexp_j S[i, j]; pos_logit[i] = S[i, pos_offset + i]; col_lse[j] =
   // logsumexp_i S[i, j] over these rows when want_col_lse, else an empty tensor. Never stores S.
+  // `deterministic` says how the backward should run (autograd hands it on); the forward ignores it.
   m.def(
       "contrastive_lse_forward(Tensor rows, Tensor cols, Tensor scale, Tensor? bias, int pos_offset, "
-      "bool want_col_lse, bool allow_tf32, bool tensor_cores) -> (Tensor row_lse, Tensor pos_logit, "
-      "Tensor col_lse)");
+      "bool want_col_lse, bool allow_tf32, bool tensor_cores, bool deterministic) -> (Tensor row_lse, "
+      "Tensor pos_logit, Tensor col_lse)");
   // Backward: dS[i, j] = grad_row_lse[i] * exp(S[i, j] - row_lse[i])
   //                    + grad_col_lse[j] * exp(S[i, j] - col_lse[j]) + grad_pos_logit[i] * [j == pos(i)],
   // recomputed tile by tile; returns (d rows, d cols, d scale, d bias).

@@ -51,7 +51,7 @@ def upstream(M, K, want_col, seed=1):
 
 def forward(rows, cols, scale, bias, pos, want_col, tensor_cores, allow_tf32=False):
     return ops.contrastive_lse_forward(rows, cols, scale, bias, pos, want_col, allow_tf32,
-                                       tensor_cores)
+                                       tensor_cores, False)  # deterministic: for the backward only
 
 
 def backward(grads, rows, cols, scale, bias, pos, outs, tensor_cores, deterministic=True,

@@ -8,7 +8,7 @@ import torch
 
 import clipshard  # noqa: F401
 from clipshard.optim import AdamW, second_moment_key, to_half_precision_
-from clipshard.reference import adamw_step_reference, half_neighbours
+from clipshard.reference import adamw_step_reference, half_neighbours, stall_regression
 
 HALF = (torch.float16, torch.bfloat16)
 HYPER = dict(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05)
@@ -186,33 +186,15 @@ def test_streams_of_roles_and_tensors_are_independent():
     assert not torch.equal(ms[0] != ms[0].min(), vs[0] != vs[0].min())
 
 
-# --- the stall that stochastic rounding prevents --------------------------------------------------
-
-def _regression_run(param_dtype, stochastic, steps=400, lr=1e-3):
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(256, 64, generator=gen)
-    w_true = 1.0 + 0.1 * torch.randn(64, generator=gen)
-    y = x @ w_true
-    w = torch.ones(64, dtype=param_dtype, requires_grad=True)
-    opt = AdamW([w], lr=lr, weight_decay=0.0, stochastic_rounding=stochastic,
-                generator=torch.Generator().manual_seed(4))
-    losses = []
-    for _ in range(steps):
-        loss = ((x @ w.float() - y) ** 2).mean()
-        losses.append(loss.item())
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return losses, w.detach()
-
+# --- the stall that stochastic rounding prevents (the problem benchmarks/plot_optim_stall.py plots)
 
 def test_stall_round_to_nearest_vs_stochastic_rounding():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # 1200 tiny matmuls: thread start-up would dominate on a busy machine
     try:
-        fp32, _ = _regression_run(torch.float32, stochastic=True)
-        sr, _ = _regression_run(torch.bfloat16, stochastic=True)
-        rn, w_rn = _regression_run(torch.bfloat16, stochastic=False)
+        fp32, _ = stall_regression(torch.float32, stochastic_rounding=True)
+        sr, _ = stall_regression(torch.bfloat16, stochastic_rounding=True)
+        rn, w_rn = stall_regression(torch.bfloat16, stochastic_rounding=False)
     finally:
         torch.set_num_threads(threads)
     start = fp32[0]

@@ -217,7 +217,8 @@ void forward_impl(const at::Tensor& A, const at::Tensor& B, acc_t scale, int64_t
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> contrastive_lse_forward_cpu(
     const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
-    int64_t pos_offset, bool want_col_lse, bool /*allow_tf32: CUDA only*/, bool /*tensor_cores: CUDA only*/) {
+    int64_t pos_offset, bool want_col_lse, bool /*allow_tf32: CUDA only*/, bool /*tensor_cores: CUDA only*/,
+    bool /*deterministic: for the backward*/) {
   const char* op = "contrastive_lse_forward";
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal tensor maths is not differentiated
   check_inputs(op, rows, cols, scale, bias, pos_offset);

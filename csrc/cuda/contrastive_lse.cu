@@ -125,7 +125,8 @@ void launch_backward(const k::BackwardParams<T>& p, bool mma, cudaStream_t strea
 
 std::tuple<Tensor, Tensor, Tensor> contrastive_lse_forward_cuda(
     const Tensor& rows, const Tensor& cols, const Tensor& scale, const c10::optional<Tensor>& bias,
-    int64_t pos_offset, bool want_col_lse, bool allow_tf32, bool tensor_cores) {
+    int64_t pos_offset, bool want_col_lse, bool allow_tf32, bool tensor_cores,
+    bool /*deterministic: for the backward*/) {
   constexpr const char* fn = "contrastive_lse_forward";
   check_features(fn, rows, cols, scale, bias, pos_offset);
   (void)allow_tf32;  // see the file comment
