@@ -206,7 +206,6 @@ def half_neighbours(x, dtype):
 # --- A training problem for clipshard.optim.AdamW: the stall that stochastic rounding prevents ----
 
 
-
 def stall_regression(param_dtype, stochastic_rounding, steps=400, lr=1e-3, device="cpu"):
     """Least-squares regression (256 samples, 64 weights initialised at 1.0, targets from weights
     1 + 0.1 * N(0, 1)) trained with clipshard.optim.AdamW (no weight decay; rounding bits from a
