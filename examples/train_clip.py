@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from clip_digits.checkpoint import load_checkpoint, restore, save_checkpoint
-from clip_digits.data import load_digits_data, rank_batch
+from clip_digits.data import contrastive_loss_floor, load_digits_data, rank_batch
 from clip_digits.measure import peak_loss_memory, zero_shot_accuracy
 from clip_digits.model import build_model
 from clip_digits.precision import HALF_DTYPES, TEXT_PRECISIONS, build_optimizers, optimizer_bytes_per_param
@@ -42,9 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--out", help="run folder (default: a new folder under ./runs/ named by the time)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    p.add_argument("--steps", type=int, default=400, help="optimizer steps")
+    p.add_argument("--steps", type=int, default=600, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=256, help="global batch size (all ranks together)")
-    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (linear warm-up, cosine decay)")
+    p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (linear warm-up, cosine decay)")
     p.add_argument("--warmup", type=int, default=20, help="warm-up steps")
     p.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices only)")
     p.add_argument("--seed", type=int, default=0)
@@ -287,6 +287,7 @@ def train(args: argparse.Namespace, ranks: Ranks, out_dir: str, label: str = "")
         "train_seconds": train_seconds,
         "samples_per_second": steps_run * args.batch_size / train_seconds if steps_run else 0.0,
         "final_loss": history["loss"][-1],
+        "loss_floor": contrastive_loss_floor(data, args.batch_size, args.seed, args.steps),
         "parameters": {"text": count_text, "image": count_image},
         "num_train_images": len(data.train_labels),
         "num_test_images": len(test_labels),
@@ -326,6 +327,7 @@ def main(argv=None) -> None:
         if metrics is not None:
             write_metrics(out_dir, metrics)
             plot_runs(os.path.join(out_dir, "training.png"), {args.text_precision: metrics["history"]},
+                      metrics["loss_floor"],
                       f"tiny CLIP on digits: {args.steps} steps, batch {args.batch_size}, "
                       f"{ranks.world_size} ranks, text {args.text_precision}")
             print(format_table(summary_rows(metrics)))
@@ -355,6 +357,7 @@ def _compare(args: argparse.Namespace, ranks: Ranks, out_dir: str) -> None:
     print(format_table(rows))
     write_metrics(out_dir, {"compare": {p: {k: v for k, v in m.items() if k != "history"} for p, m in results.items()}})
     plot_runs(os.path.join(out_dir, "compare.png"), {p: m["history"] for p, m in results.items()},
+              results["fp32"]["loss_floor"],
               f"text tower precision, lr {args.lr}, {args.steps} steps, batch {args.batch_size}")
     print(f"wrote {out_dir}/metrics.json and {out_dir}/compare.png")
 

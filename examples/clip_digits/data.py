@@ -116,3 +116,16 @@ def rank_batch(data: DigitsData, batch_size: int, seed: int, step: int, rank: in
     generator = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1024 + rank)
     which = torch.randint(data.caption_ids.shape[1], (local,), generator=generator)
     return data.train_images[indices], data.caption_ids[labels, which], labels
+
+
+def contrastive_loss_floor(data: DigitsData, batch_size: int, seed: int, steps: int, samples: int = 50) -> float:
+    """The lowest expected loss any model can reach on these batches.
+
+    A caption says which digit, not which image: an image whose digit appears k times in the
+    global batch cannot tell its own caption from the other k - 1, so its row (and column) costs
+    at least log k. Averaged over `samples` of the run's batches."""
+    floors = []
+    for step in torch.linspace(0, steps - 1, min(samples, steps)).long().tolist():
+        labels = data.train_labels[global_batch_indices(len(data.train_labels), batch_size, seed, step)]
+        floors.append(torch.bincount(labels, minlength=10)[labels].double().log().mean().item())
+    return sum(floors) / len(floors)

@@ -57,7 +57,8 @@ class TextEncoder(nn.Module):
         self.pad_id = pad_id
         self.checkpointing = checkpointing
         self.token_embedding = nn.Embedding(vocab_size, width)
-        self.position_embedding = nn.Parameter(torch.randn(max_length, width) * 0.02)
+        nn.init.normal_(self.token_embedding.weight, std=0.02)  # CLIP's initialisation
+        self.position_embedding = nn.Parameter(torch.randn(max_length, width) * 0.01)
         self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
         self.norm = nn.LayerNorm(width)
         self.projection = nn.Linear(width, embed_dim)

@@ -35,9 +35,8 @@ def _param_groups(params: list[tuple[str, nn.Parameter]], weight_decay: float) -
 def to_half(module: nn.Module, dtype: torch.dtype, stochastic: bool, generator: torch.Generator) -> None:
     """Store the module's weights in 16 bits, rounding stochastically or to nearest."""
     if stochastic:
-        import clipshard
-        for p in module.parameters():
-            p.data = clipshard.stochastic_round(p.data, dtype, generator=generator)
+        from clipshard.optim import to_half_precision_
+        to_half_precision_(module, dtype, generator=generator)
     else:
         module.to(dtype)
 

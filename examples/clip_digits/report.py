@@ -13,7 +13,8 @@ def summary_rows(metrics: dict) -> list[tuple[str, str]]:
     rows = [
         ("zero-shot accuracy (held out)", f"{100 * metrics['zero_shot_accuracy']:.1f}%  "
                                           f"({metrics['num_test_images']} images never trained on)"),
-        ("final loss", f"{metrics['final_loss']:.4f}"),
+        ("final loss", f"{metrics['final_loss']:.4f}  (floor {metrics['loss_floor']:.4f}: same-digit pairs "
+                       "are indistinguishable)"),
         (f"peak loss memory per rank ({config['loss']})", _mib(metrics["peak_loss_memory_bytes"])),
     ]
     for name, value in metrics.get("peak_loss_memory_bytes_by_loss", {}).items():
@@ -42,8 +43,9 @@ def write_metrics(out_dir: str, metrics: dict) -> str:
     return path
 
 
-def plot_runs(path: str, runs: dict[str, dict], title: str) -> str:
-    """Loss per step (left) and held-out zero-shot accuracy (right), one line per run."""
+def plot_runs(path: str, runs: dict[str, dict], loss_floor: float, title: str) -> str:
+    """Loss per step (left, with the floor no model can beat) and held-out zero-shot accuracy
+    (right), one line per run."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -53,7 +55,8 @@ def plot_runs(path: str, runs: dict[str, dict], title: str) -> str:
     for label, history in runs.items():
         ax_loss.plot(history["loss_steps"], history["loss"], lw=1, label=label)
         ax_acc.plot(history["eval_steps"], [100 * a for a in history["accuracy"]], marker=".", label=label)
-    ax_loss.set(xlabel="step", ylabel="contrastive loss (global batch)", yscale="log")
+    ax_loss.axhline(loss_floor, color="grey", lw=0.5, ls="--")
+    ax_loss.set(xlabel="step", ylabel="contrastive loss (global batch)")
     ax_acc.set(xlabel="step", ylabel="zero-shot accuracy, held out (%)", ylim=(0, 100))
     ax_acc.axhline(90, color="grey", lw=0.5, ls="--")
     for ax in (ax_loss, ax_acc):
