@@ -15,6 +15,9 @@ TORCH_LIBRARY(clipshard, m) {
   // are the Philox key and counter high word, passed as int64 bit patterns of uint64 values.
   m.def("stochastic_round(Tensor src, ScalarType dtype, int seed, int offset, bool saturate) -> Tensor");
   m.def("stochastic_round_into(Tensor(a!) dst, Tensor src, int seed, int offset, bool saturate) -> ()");
+  // Test helper: the first n random words of the stream above as int32 (CPU tensor), word i being
+  // word (i mod 4) of Philox4x32-10(key = seed, counter = (i div 4, offset)).
+  m.def("philox_words(int seed, int offset, int n) -> Tensor");
 
   // Fused similarity + online log-sum-exp (docs/fused_loss.md). S = scale * rows @ cols^T (+ bias).
   // Forward: row_lse[i] = logsumexp_j S[i, j]; pos_logit[i] = S[i, pos_offset + i]; col_lse[j] =

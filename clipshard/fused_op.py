@@ -1,0 +1,148 @@
+"""The fused contrastive log-sum-exp op: fake (shape) kernels, autograd, and the typed wrapper.
+
+`contrastive_lse(rows, cols, scale)` computes, for S = scale * rows @ cols^T (+ bias), the row
+log-sum-exps, the positive logits S[i, pos_offset + i] and the column log-sum-exps over these rows,
+without ever materialising S (docs/fused_loss.md).
+
+Environment: CLIPSHARD_TENSOR_CORES=1 lets the CUDA kernels use their tensor-core (mma) path. It is
+off by default until that path has been verified on a GPU; the module-level `TENSOR_CORES` switch
+can also be set at run time. On CPU it has no effect.
+"""
+import os
+import threading
+
+import torch
+
+from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
+
+TENSOR_CORES = os.environ.get("CLIPSHARD_TENSOR_CORES", "0") == "1"
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_state = threading.local()  # carries the wrapper's `deterministic` keyword to setup_context
+
+
+def _acc_dtype(dtype):
+    """Outputs and accumulation: fp64 for fp64 inputs, fp32 for everything else."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("clipshard::contrastive_lse_forward")
+def _forward_fake(rows, cols, scale, bias, pos_offset, want_col_lse, allow_tf32, tensor_cores):
+    torch._check(rows.dim() == 2 and cols.dim() == 2, lambda: "contrastive_lse_forward: rows and cols must be 2-D")
+    torch._check(rows.shape[1] == cols.shape[1],
+                 lambda: "contrastive_lse_forward: rows and cols must have the same feature size D")
+    acc = _acc_dtype(rows.dtype)
+    m, k = rows.shape[0], cols.shape[0]
+    return (rows.new_empty(m, dtype=acc), rows.new_empty(m, dtype=acc),
+            rows.new_empty(k if want_col_lse else 0, dtype=acc))
+
+
+@torch.library.register_fake("clipshard::contrastive_lse_backward")
+def _backward_fake(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, pos_offset, row_lse,
+                   col_lse, allow_tf32, tensor_cores, deterministic):
+    grad_bias = bias.new_empty(()) if bias is not None else scale.new_empty(())
+    return rows.new_empty(rows.shape), cols.new_empty(cols.shape), scale.new_empty(()), grad_bias
+
+
+def _setup_context(ctx, inputs, output):
+    rows, cols, scale, bias, pos_offset, want_col_lse, allow_tf32, tensor_cores = inputs
+    row_lse, _, col_lse = output
+    ctx.save_for_backward(rows, cols, scale, bias, row_lse, col_lse if want_col_lse else None)
+    ctx.pos_offset = pos_offset
+    ctx.want_col_lse = want_col_lse
+    ctx.allow_tf32 = allow_tf32
+    ctx.tensor_cores = tensor_cores
+    ctx.deterministic = getattr(_state, "deterministic", False) or torch.are_deterministic_algorithms_enabled()
+
+
+def _backward(ctx, grad_row_lse, grad_pos_logit, grad_col_lse):
+    rows, cols, scale, bias, row_lse, col_lse = ctx.saved_tensors
+    # Outputs that did not take part in the loss may hand back None (or zeros, which are harmless).
+    if grad_row_lse is None:
+        grad_row_lse = torch.zeros_like(row_lse)
+    if grad_pos_logit is None:
+        grad_pos_logit = torch.zeros_like(row_lse)
+    if not ctx.want_col_lse:
+        grad_col_lse = None
+    grad_rows, grad_cols, grad_scale, grad_bias = torch.ops.clipshard.contrastive_lse_backward(
+        grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, ctx.pos_offset, row_lse,
+        col_lse, ctx.allow_tf32, ctx.tensor_cores, ctx.deterministic)
+    return grad_rows, grad_cols, grad_scale, grad_bias if bias is not None else None, None, None, None, None
+
+
+torch.library.register_autograd("clipshard::contrastive_lse_forward", _backward, setup_context=_setup_context)
+
+
+def _check_scalar(name, value, rows):
+    if not isinstance(value, torch.Tensor):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"contrastive_lse: {name} must be a float or a 0-dim tensor, got {type(value).__name__}")
+        return torch.tensor(float(value), dtype=_acc_dtype(rows.dtype), device=rows.device)
+    if value.dim() != 0:
+        raise ValueError(f"contrastive_lse: {name} must be a 0-dim tensor, got shape {tuple(value.shape)}")
+    if not value.is_floating_point():
+        raise TypeError(f"contrastive_lse: {name} must be a floating-point tensor, got {value.dtype}")
+    if value.device != rows.device:
+        raise ValueError(f"contrastive_lse: {name} must be on the same device as rows ({rows.device}), "
+                         f"got {value.device}")
+    return value
+
+
+def _check_features(rows, cols, pos_offset):
+    for name, t, shape in (("rows", rows, "M x D"), ("cols", cols, "K x D")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"contrastive_lse: {name} must be a tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"contrastive_lse: {name} must be 2-D ({shape}), got shape {tuple(t.shape)}")
+    if rows.device != cols.device:
+        raise ValueError(f"contrastive_lse: rows and cols must be on the same device, got {rows.device} "
+                         f"and {cols.device}")
+    if rows.dtype != cols.dtype:
+        raise TypeError(f"contrastive_lse: rows and cols must have the same dtype, got {rows.dtype} and {cols.dtype}")
+    if rows.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"contrastive_lse: rows must be float32, float16, bfloat16 or float64, got {rows.dtype}")
+    if rows.shape[1] != cols.shape[1]:
+        raise ValueError(f"contrastive_lse: rows and cols must have the same feature size D, got "
+                         f"{rows.shape[1]} and {cols.shape[1]}")
+    m, k = rows.shape[0], cols.shape[0]
+    if m == 0 or k == 0 or rows.shape[1] == 0:
+        raise ValueError(f"contrastive_lse: empty inputs are not supported (need M, K, D >= 1), got rows "
+                         f"{tuple(rows.shape)} and cols {tuple(cols.shape)}")
+    if isinstance(pos_offset, bool) or not isinstance(pos_offset, int):
+        raise TypeError(f"contrastive_lse: pos_offset must be an int, got {type(pos_offset).__name__}")
+    if pos_offset < 0 or pos_offset + m > k:
+        raise ValueError(f"contrastive_lse: pos_offset must satisfy 0 <= pos_offset and pos_offset + M <= K "
+                         f"(M = {m}, K = {k}), got {pos_offset}")
+
+
+def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=True, *, deterministic=False):
+    """Fused S = scale * rows @ cols^T (+ bias) reduced to log-sum-exps, never materialising S.
+
+    Args:
+        rows: M x D features (fp32, fp16, bf16 or fp64).
+        cols: K x D features, same dtype and device.
+        scale: logit scale, already exponentiated (a Python float or a 0-dim tensor; differentiable).
+        bias: optional logit bias added to every logit (float or 0-dim tensor; differentiable).
+        pos_offset: row i's positive is column pos_offset + i (0 <= pos_offset, pos_offset + M <= K).
+        want_col_lse: also return the column log-sum-exps over these M rows.
+        deterministic: ask the backward for its deterministic path (the CPU kernel always is; on CUDA
+            it avoids float atomics). torch.use_deterministic_algorithms(True) has the same effect.
+
+    Returns:
+        (row_lse [M], pos_logit [M], col_lse [K], or an empty tensor when not wanted), fp32 — fp64
+        for fp64 inputs — whatever the input dtype. Gradients flow to rows, cols, scale and bias.
+    """
+    _check_features(rows, cols, pos_offset)
+    scale = _check_scalar("scale", scale, rows)
+    if bias is not None:
+        bias = _check_scalar("bias", bias, rows)
+    allow_tf32 = torch.backends.cuda.matmul.allow_tf32
+    if not deterministic:
+        return torch.ops.clipshard.contrastive_lse_forward(rows, cols, scale, bias, pos_offset, want_col_lse,
+                                                           allow_tf32, TENSOR_CORES)
+    _state.deterministic = True
+    try:
+        return torch.ops.clipshard.contrastive_lse_forward(rows, cols, scale, bias, pos_offset, want_col_lse,
+                                                           allow_tf32, TENSOR_CORES)
+    finally:
+        _state.deterministic = False

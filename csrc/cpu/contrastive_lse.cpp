@@ -1,0 +1,411 @@
+// CPU kernels of clipshard::contrastive_lse_forward / contrastive_lse_backward (docs/fused_loss.md).
+//
+// S = scale * rows @ cols^T (+ bias) is produced one row-block x column-block tile at a time by BLAS
+// (at::addmm into a per-thread scratch tile) and immediately folded into running log-sum-exps; the
+// backward recomputes the tiles. Nothing of size M x K is ever allocated. Work is split over row
+// blocks: each thread ("chunk") owns a contiguous range of row blocks and keeps its own partial
+// column state (column LSE in the forward, column gradient in the backward), merged in chunk order
+// afterwards, so results are deterministic for a given number of threads.
+//
+// The bias is a constant added to every logit: it shifts every LSE and positive logit by the same
+// amount and cancels in every softmax, so the tiles never see it.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace clipshard {
+namespace {
+
+// Tile shape: a 128 x 512 fp32 tile is 256 KiB, so the tile and its exponentials stay in L2.
+constexpr int64_t kRowBlock = 128;
+constexpr int64_t kColBlock = 512;
+// A tile whose logits span less than this range is exponentiated once, against its maximum: every
+// exp(S - max) is then a normal float (e^-80 > FLT_MIN ~ e^-87.3), so a single exponential per logit
+// serves the row sums, the column sums and both softmaxes of the backward. Wider tiles (large scales,
+// NaN, Inf) take the exact two-exponential path with per-row and per-column shifts.
+constexpr double kOneExpRange = 80.0;
+// Upper bound on each thread's column-gradient accumulator in the backward (columns are processed in
+// super-blocks of at most this many bytes of K x D accumulator per thread).
+constexpr int64_t kColGradBytesPerThread = int64_t(8) << 20;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+template <typename acc_t>
+acc_t finite_or_zero(acc_t x) { return std::isfinite(x) ? x : acc_t(0); }
+
+// A log-sum-exp kept as (ref, sum) with lse = ref + log(sum). `ref` starts at -inf (empty) and is
+// always finite afterwards; Inf and NaN logits travel through `sum` (Inf or NaN), so they propagate.
+template <typename acc_t>
+void lse_merge(acc_t& ref, acc_t& sum, acc_t ref2, acc_t sum2) {
+  if (ref == -std::numeric_limits<acc_t>::infinity()) {
+    ref = ref2;
+    sum = sum2;
+    return;
+  }
+  const acc_t m = std::max(ref, ref2);
+  sum = sum * std::exp(ref - m) + sum2 * std::exp(ref2 - m);
+  ref = m;
+}
+
+// Contiguous [n x m] view of the start of a flat scratch buffer.
+at::Tensor scratch_view(const at::Tensor& buffer, int64_t n, int64_t m) {
+  return buffer.narrow(0, 0, n * m).view({n, m});
+}
+
+// Which row blocks chunk c of n_chunks owns: [first, last).
+std::pair<int64_t, int64_t> chunk_blocks(int64_t c, int64_t n_chunks, int64_t n_blocks) {
+  return {c * n_blocks / n_chunks, (c + 1) * n_blocks / n_chunks};
+}
+
+// tile = scale * a @ b^T (BLAS, single-threaded inside a parallel region).
+void similarity_tile(at::Tensor& tile, const at::Tensor& a, const at::Tensor& b, double scale) {
+  at::addmm_out(tile, tile, a, b.t(), /*beta=*/0, /*alpha=*/scale);
+}
+
+// True (and lo/hi set) when the tile's logits are finite and span less than kOneExpRange.
+template <typename acc_t>
+bool narrow_range(const at::Tensor& tile, acc_t& hi) {
+  auto minmax = at::aminmax(tile);
+  const acc_t lo = std::get<0>(minmax).template item<acc_t>();
+  hi = std::get<1>(minmax).template item<acc_t>();
+  return hi - lo < acc_t(kOneExpRange);  // false for NaN and Inf
+}
+
+const char* dtype_list = "float32, float16, bfloat16 or float64";
+
+bool supported_dtype(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
+}
+
+void check_scalar_tensor(const char* op, const char* name, const at::Tensor& t, const at::Tensor& rows) {
+  TORCH_CHECK(t.dim() == 0, op, ": ", name, " must be a 0-dim tensor, got shape ", t.sizes());
+  TORCH_CHECK(t.is_floating_point(), op, ": ", name, " must be a floating-point tensor, got ",
+              t.scalar_type());
+  TORCH_CHECK(t.device() == rows.device(), op, ": ", name, " must be on the same device as rows (",
+              rows.device(), "), got ", t.device());
+}
+
+void check_inputs(const char* op, const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& scale,
+                  const std::optional<at::Tensor>& bias, int64_t pos_offset) {
+  TORCH_CHECK(rows.dim() == 2, op, ": rows must be 2-D (M x D), got shape ", rows.sizes());
+  TORCH_CHECK(cols.dim() == 2, op, ": cols must be 2-D (K x D), got shape ", cols.sizes());
+  TORCH_CHECK(rows.device() == cols.device(), op, ": rows and cols must be on the same device, got ",
+              rows.device(), " and ", cols.device());
+  TORCH_CHECK(rows.scalar_type() == cols.scalar_type(), op, ": rows and cols must have the same dtype, got ",
+              rows.scalar_type(), " and ", cols.scalar_type());
+  TORCH_CHECK(supported_dtype(rows.scalar_type()), op, ": rows must be ", dtype_list, ", got ",
+              rows.scalar_type());
+  TORCH_CHECK(rows.size(1) == cols.size(1), op, ": rows and cols must have the same feature size D, got ",
+              rows.size(1), " and ", cols.size(1));
+  TORCH_CHECK(rows.size(0) >= 1 && cols.size(0) >= 1 && rows.size(1) >= 1, op,
+              ": empty inputs are not supported (need M, K, D >= 1), got rows ", rows.sizes(), " and cols ",
+              cols.sizes());
+  check_scalar_tensor(op, "scale", scale, rows);
+  if (bias.has_value()) check_scalar_tensor(op, "bias", *bias, rows);
+  const int64_t M = rows.size(0), K = cols.size(0);
+  TORCH_CHECK(pos_offset >= 0 && pos_offset + M <= K, op,
+              ": pos_offset must satisfy 0 <= pos_offset and pos_offset + M <= K (M = ", M, ", K = ", K,
+              "), got ", pos_offset);
+}
+
+void check_vector(const char* op, const char* name, const at::Tensor& t, int64_t n, const at::Tensor& rows) {
+  TORCH_CHECK(t.dim() == 1 && t.size(0) == n, op, ": ", name, " must have shape [", n, "], got ", t.sizes());
+  TORCH_CHECK(t.device() == rows.device(), op, ": ", name, " must be on the same device as rows (",
+              rows.device(), "), got ", t.device());
+}
+
+at::ScalarType acc_type_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// ---------------------------------------------------------------------------------------- forward
+
+template <typename acc_t>
+void forward_impl(const at::Tensor& A, const at::Tensor& B, acc_t scale, int64_t pos_offset, bool want_col,
+                  acc_t* row_lse, acc_t* pos_logit, acc_t* col_lse) {
+  const int64_t M = A.size(0), K = B.size(0);
+  const int64_t n_blocks = ceil_div(M, kRowBlock);
+  const int64_t n_chunks = std::min<int64_t>(at::get_num_threads(), n_blocks);
+  const auto opts = A.options();
+  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
+  // Partial column LSE of each chunk, (ref, sum) per column.
+  std::vector<acc_t> col_ref(want_col ? n_chunks * K : 0, kNegInf), col_sum(want_col ? n_chunks * K : 0, 0);
+
+  at::parallel_for(0, n_chunks, 1, [&](int64_t c_begin, int64_t c_end) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // worker threads do not inherit it
+    at::Tensor tile_buf = at::empty({kRowBlock * kColBlock}, opts);
+    at::Tensor exp_buf = at::empty({kRowBlock * kColBlock}, opts);
+    at::Tensor row_vec = at::empty({kRowBlock}, opts), col_vec = at::empty({kColBlock}, opts);
+    std::vector<acc_t> r_ref(kRowBlock), r_sum(kRowBlock), shift(std::max(kRowBlock, kColBlock));
+    for (int64_t c = c_begin; c < c_end; ++c) {
+      acc_t* c_ref = want_col ? col_ref.data() + c * K : nullptr;
+      acc_t* c_sum = want_col ? col_sum.data() + c * K : nullptr;
+      const auto [blk_begin, blk_end] = chunk_blocks(c, n_chunks, n_blocks);
+      for (int64_t blk = blk_begin; blk < blk_end; ++blk) {
+        const int64_t i0 = blk * kRowBlock, bm = std::min(kRowBlock, M - i0);
+        const at::Tensor a = A.narrow(0, i0, bm);
+        std::fill(r_ref.begin(), r_ref.end(), kNegInf);
+        std::fill(r_sum.begin(), r_sum.end(), acc_t(0));
+        for (int64_t j0 = 0; j0 < K; j0 += kColBlock) {
+          const int64_t bk = std::min(kColBlock, K - j0);
+          at::Tensor tile = scratch_view(tile_buf, bm, bk);
+          similarity_tile(tile, a, B.narrow(0, j0, bk), scale);
+          acc_t* t = tile.data_ptr<acc_t>();
+          for (int64_t i = 0; i < bm; ++i) {  // positives inside this tile
+            const int64_t j = pos_offset + i0 + i - j0;
+            if (j >= 0 && j < bk) pos_logit[i0 + i] = t[i * bk + j];
+          }
+          at::Tensor rows_out = row_vec.narrow(0, 0, bm), cols_out = col_vec.narrow(0, 0, bk);
+          acc_t hi;
+          if (narrow_range(tile, hi)) {
+            // One exponential per logit, shared by row and column sums.
+            tile.sub_(hi).exp_();
+            at::sum_out(rows_out, tile, 1);
+            const acc_t* rs = rows_out.data_ptr<acc_t>();
+            for (int64_t i = 0; i < bm; ++i) lse_merge(r_ref[i], r_sum[i], hi, rs[i]);
+            if (want_col) {
+              at::sum_out(cols_out, tile, 0);
+              const acc_t* cs = cols_out.data_ptr<acc_t>();
+              for (int64_t j = 0; j < bk; ++j) lse_merge(c_ref[j0 + j], c_sum[j0 + j], hi, cs[j]);
+            }
+            continue;
+          }
+          // Wide range: shift each column by its own maximum, then each row by its own maximum.
+          if (want_col) {
+            at::amax_out(cols_out, tile, 0);
+            const acc_t* cm = cols_out.data_ptr<acc_t>();
+            for (int64_t j = 0; j < bk; ++j) shift[j] = finite_or_zero(cm[j]);
+            at::Tensor e = scratch_view(exp_buf, bm, bk);
+            at::sub_out(e, tile, at::from_blob(shift.data(), {1, bk}, opts)).exp_();
+            at::sum_out(cols_out, e, 0);
+            const acc_t* cs = cols_out.data_ptr<acc_t>();
+            for (int64_t j = 0; j < bk; ++j) lse_merge(c_ref[j0 + j], c_sum[j0 + j], shift[j], cs[j]);
+          }
+          at::amax_out(rows_out, tile, 1);
+          const acc_t* rm = rows_out.data_ptr<acc_t>();
+          for (int64_t i = 0; i < bm; ++i) shift[i] = finite_or_zero(rm[i]);
+          tile.sub_(at::from_blob(shift.data(), {bm, 1}, opts)).exp_();
+          at::sum_out(rows_out, tile, 1);
+          const acc_t* rs = rows_out.data_ptr<acc_t>();
+          for (int64_t i = 0; i < bm; ++i) lse_merge(r_ref[i], r_sum[i], shift[i], rs[i]);
+        }
+        for (int64_t i = 0; i < bm; ++i) row_lse[i0 + i] = r_ref[i] + std::log(r_sum[i]);
+      }
+    }
+  });
+
+  if (want_col) {  // merge the chunks' partial column LSEs in chunk order
+    at::parallel_for(0, K, 1024, [&](int64_t j_begin, int64_t j_end) {
+      for (int64_t j = j_begin; j < j_end; ++j) {
+        acc_t ref = col_ref[j], sum = col_sum[j];
+        for (int64_t c = 1; c < n_chunks; ++c) lse_merge(ref, sum, col_ref[c * K + j], col_sum[c * K + j]);
+        col_lse[j] = ref + std::log(sum);
+      }
+    });
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> contrastive_lse_forward_cpu(
+    const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
+    int64_t pos_offset, bool want_col_lse, bool /*allow_tf32: CUDA only*/, bool /*tensor_cores: CUDA only*/) {
+  const char* op = "contrastive_lse_forward";
+  at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal tensor maths is not differentiated
+  check_inputs(op, rows, cols, scale, bias, pos_offset);
+  const auto acc = acc_type_of(rows.scalar_type());
+  const at::Tensor A = rows.to(acc).contiguous(), B = cols.to(acc).contiguous();
+  const int64_t M = A.size(0), K = B.size(0);
+  at::Tensor row_lse = at::empty({M}, A.options()), pos_logit = at::empty({M}, A.options());
+  at::Tensor col_lse = at::empty({want_col_lse ? K : 0}, A.options());
+  AT_DISPATCH_FLOATING_TYPES(acc, "contrastive_lse_forward_cpu", [&] {
+    forward_impl<scalar_t>(A, B, scale.item<scalar_t>(), pos_offset, want_col_lse, row_lse.data_ptr<scalar_t>(),
+                           pos_logit.data_ptr<scalar_t>(), want_col_lse ? col_lse.data_ptr<scalar_t>() : nullptr);
+  });
+  if (bias.has_value()) {  // a constant logit shift moves every LSE and positive by the same amount
+    const at::Tensor b = bias->to(acc);
+    row_lse.add_(b);
+    pos_logit.add_(b);
+    if (want_col_lse) col_lse.add_(b);
+  }
+  return {row_lse, pos_logit, col_lse};
+}
+
+// --------------------------------------------------------------------------------------- backward
+
+// Inputs of the backward, all contiguous in the accumulation type; g_col/c_lse are null when the
+// column LSE has no gradient.
+template <typename acc_t>
+struct BackwardArgs {
+  const acc_t* g_row;
+  const acc_t* g_pos;
+  const acc_t* g_col;
+  const acc_t* r_lse;
+  const acc_t* c_lse;
+};
+
+// Overwrites the similarity tile (rows i0.., columns j0..) with
+// dS = g_row[i] exp(S - r_lse[i]) + g_col[j] exp(S - c_lse[j]) + g_pos[i] [j == pos(i)].
+template <typename acc_t>
+void tile_grad(at::Tensor& tile, at::Tensor& exp_buf, std::vector<acc_t>& a, std::vector<acc_t>& b,
+               const BackwardArgs<acc_t>& p, int64_t i0, int64_t j0, int64_t pos_offset) {
+  const int64_t bm = tile.size(0), bk = tile.size(1);
+  const auto opts = tile.options();
+  acc_t* t = tile.data_ptr<acc_t>();
+  acc_t hi;
+  if (narrow_range(tile, hi)) {
+    // exp(S - r) = exp(S - hi) * exp(hi - r), and hi - r <= hi - lo < 80 because r, c are at least
+    // the row/column maxima, so both factors are finite: one exponential per logit.
+    for (int64_t i = 0; i < bm; ++i) a[i] = p.g_row[i0 + i] * std::exp(hi - p.r_lse[i0 + i]);
+    for (int64_t j = 0; j < bk; ++j) b[j] = p.g_col ? p.g_col[j0 + j] * std::exp(hi - p.c_lse[j0 + j]) : acc_t(0);
+    tile.sub_(hi).exp_();
+    for (int64_t i = 0; i < bm; ++i) {
+      acc_t* ti = t + i * bk;
+      const acc_t ai = a[i];
+      const acc_t* bj = b.data();
+#pragma omp simd
+      for (int64_t j = 0; j < bk; ++j) ti[j] *= ai + bj[j];
+    }
+  } else {
+    at::Tensor e = scratch_view(exp_buf, bm, bk);
+    at::sub_out(e, tile, at::from_blob(const_cast<acc_t*>(p.r_lse + i0), {bm, 1}, opts)).exp_();
+    const acc_t* ep = e.data_ptr<acc_t>();
+    if (p.g_col) {
+      tile.sub_(at::from_blob(const_cast<acc_t*>(p.c_lse + j0), {1, bk}, opts)).exp_();
+      for (int64_t i = 0; i < bm; ++i) {
+        acc_t* ti = t + i * bk;
+        const acc_t* ei = ep + i * bk;
+        const acc_t gi = p.g_row[i0 + i];
+        const acc_t* gc = p.g_col + j0;
+#pragma omp simd
+        for (int64_t j = 0; j < bk; ++j) ti[j] = gi * ei[j] + gc[j] * ti[j];
+      }
+    } else {
+      for (int64_t i = 0; i < bm; ++i) {
+        acc_t* ti = t + i * bk;
+        const acc_t* ei = ep + i * bk;
+        const acc_t gi = p.g_row[i0 + i];
+#pragma omp simd
+        for (int64_t j = 0; j < bk; ++j) ti[j] = gi * ei[j];
+      }
+    }
+  }
+  for (int64_t i = 0; i < bm; ++i) {
+    const int64_t j = pos_offset + i0 + i - j0;
+    if (j >= 0 && j < bk) t[i * bk + j] += p.g_pos[i0 + i];
+  }
+}
+
+// Accumulates G = dS @ B (M x D, unscaled) and Gc = dS^T @ A (K x D, unscaled); returns sum(dS) when
+// want_bias (else 0).
+template <typename acc_t>
+double backward_impl(const at::Tensor& A, const at::Tensor& B, acc_t scale, int64_t pos_offset,
+                     const BackwardArgs<acc_t>& p, bool want_bias, at::Tensor& G, at::Tensor& Gc) {
+  const int64_t M = A.size(0), K = B.size(0), D = A.size(1);
+  const int64_t n_blocks = ceil_div(M, kRowBlock);
+  const int64_t n_chunks = std::min<int64_t>(at::get_num_threads(), n_blocks);
+  const auto opts = A.options();
+  // Columns are processed in super-blocks so that each chunk's column-gradient accumulator stays
+  // within kColGradBytesPerThread (it is O(K x D) per thread otherwise).
+  const int64_t super_cols = std::min(
+      K, std::max<int64_t>(kColBlock, kColGradBytesPerThread / (D * int64_t(sizeof(acc_t))) / kColBlock * kColBlock));
+  at::Tensor partial = at::empty({n_chunks, super_cols, D}, opts);
+  std::vector<double> bias_sum(n_chunks, 0.0);
+
+  for (int64_t J0 = 0; J0 < K; J0 += super_cols) {
+    const int64_t width = std::min(super_cols, K - J0);
+    at::parallel_for(0, n_chunks, 1, [&](int64_t c_begin, int64_t c_end) {
+      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      at::Tensor tile_buf = at::empty({kRowBlock * kColBlock}, opts);
+      at::Tensor exp_buf = at::empty({kRowBlock * kColBlock}, opts);
+      std::vector<acc_t> a(kRowBlock), b(kColBlock);
+      for (int64_t c = c_begin; c < c_end; ++c) {
+        at::Tensor gc = partial[c].narrow(0, 0, width);
+        gc.zero_();
+        const auto [blk_begin, blk_end] = chunk_blocks(c, n_chunks, n_blocks);
+        for (int64_t blk = blk_begin; blk < blk_end; ++blk) {
+          const int64_t i0 = blk * kRowBlock, bm = std::min(kRowBlock, M - i0);
+          const at::Tensor a_blk = A.narrow(0, i0, bm);
+          at::Tensor g_blk = G.narrow(0, i0, bm);
+          for (int64_t j0 = J0; j0 < J0 + width; j0 += kColBlock) {
+            const int64_t bk = std::min(kColBlock, J0 + width - j0);
+            const at::Tensor b_blk = B.narrow(0, j0, bk);
+            at::Tensor tile = scratch_view(tile_buf, bm, bk);
+            similarity_tile(tile, a_blk, b_blk, scale);
+            tile_grad(tile, exp_buf, a, b, p, i0, j0, pos_offset);
+            if (want_bias) bias_sum[c] += tile.sum().template item<double>();
+            g_blk.addmm_(tile, b_blk);
+            gc.narrow(0, j0 - J0, bk).addmm_(tile.t(), a_blk);
+          }
+        }
+      }
+    });
+    at::Tensor out = Gc.narrow(0, J0, width);  // chunk order: deterministic for a given thread count
+    out.copy_(partial[0].narrow(0, 0, width));
+    for (int64_t c = 1; c < n_chunks; ++c) out.add_(partial[c].narrow(0, 0, width));
+  }
+  double total = 0.0;
+  for (double s : bias_sum) total += s;
+  return total;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> contrastive_lse_backward_cpu(
+    const at::Tensor& grad_row_lse, const at::Tensor& grad_pos_logit, const std::optional<at::Tensor>& grad_col_lse,
+    const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
+    int64_t pos_offset, const at::Tensor& row_lse, const std::optional<at::Tensor>& col_lse,
+    bool /*allow_tf32: CUDA only*/, bool /*tensor_cores: CUDA only*/, bool /*deterministic: always on CPU*/) {
+  const char* op = "contrastive_lse_backward";
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_inputs(op, rows, cols, scale, bias, pos_offset);
+  const int64_t M = rows.size(0), K = cols.size(0);
+  check_vector(op, "grad_row_lse", grad_row_lse, M, rows);
+  check_vector(op, "grad_pos_logit", grad_pos_logit, M, rows);
+  check_vector(op, "row_lse", row_lse, M, rows);
+  const bool with_col = grad_col_lse.has_value();
+  if (with_col) {
+    TORCH_CHECK(col_lse.has_value(), op, ": grad_col_lse was given but col_lse is None");
+    check_vector(op, "grad_col_lse", *grad_col_lse, K, rows);
+    check_vector(op, "col_lse", *col_lse, K, rows);
+  }
+  const auto acc = acc_type_of(rows.scalar_type());
+  const at::Tensor A = rows.to(acc).contiguous(), B = cols.to(acc).contiguous();
+  const at::Tensor g_row = grad_row_lse.to(acc).contiguous(), g_pos = grad_pos_logit.to(acc).contiguous();
+  const at::Tensor r_lse = row_lse.to(acc).contiguous();
+  at::Tensor g_col, c_lse;
+  if (with_col) {
+    g_col = grad_col_lse->to(acc).contiguous();
+    c_lse = col_lse->to(acc).contiguous();
+  }
+  // The bias moved every LSE by b; the tiles are computed without it, so take it back out.
+  const at::Tensor b_acc = bias.has_value() ? bias->to(acc) : at::Tensor();
+  const at::Tensor r_unbiased = bias.has_value() ? r_lse - b_acc : r_lse;
+  const at::Tensor c_unbiased = with_col && bias.has_value() ? c_lse - b_acc : c_lse;
+
+  // For fp32 inputs the gradients are accumulated straight into the outputs.
+  at::Tensor G = at::zeros({M, A.size(1)}, A.options()), Gc = at::empty({K, A.size(1)}, A.options());
+  at::Tensor grad_scale, grad_bias;
+  AT_DISPATCH_FLOATING_TYPES(acc, "contrastive_lse_backward_cpu", [&] {
+    BackwardArgs<scalar_t> p{g_row.data_ptr<scalar_t>(), g_pos.data_ptr<scalar_t>(),
+                             with_col ? g_col.data_ptr<scalar_t>() : nullptr, r_unbiased.data_ptr<scalar_t>(),
+                             with_col ? c_unbiased.data_ptr<scalar_t>() : nullptr};
+    const scalar_t s = scale.item<scalar_t>();
+    const double bias_grad = backward_impl<scalar_t>(A, B, s, pos_offset, p, bias.has_value(), G, Gc);
+    // d scale = sum(dS * rows @ cols^T) = sum(rows * (dS @ cols)), from the unscaled G.
+    grad_scale = at::dot(A.view(-1), G.view(-1)).to(scale.scalar_type());
+    grad_bias = bias.has_value() ? at::scalar_tensor(bias_grad, bias->options())
+                                 : at::zeros({}, scale.options());
+    G.mul_(s);
+    Gc.mul_(s);
+  });
+  return {G.to(rows.scalar_type()), Gc.to(cols.scalar_type()), grad_scale, grad_bias};
+}
+
+}  // namespace
+}  // namespace clipshard
+
+TORCH_LIBRARY_IMPL(clipshard, CPU, m) {
+  m.impl("contrastive_lse_forward", &clipshard::contrastive_lse_forward_cpu);
+  m.impl("contrastive_lse_backward", &clipshard::contrastive_lse_backward_cpu);
+}
