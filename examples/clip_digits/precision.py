@@ -17,14 +17,6 @@ HALF_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 BETAS, EPS = (0.9, 0.98), 1e-6  # CLIP's Adam settings
 
 
-def _adamw_class():
-    try:
-        from clipshard.optim import AdamW
-    except ImportError:  # TODO(train): remove once clipshard.optim has landed on main
-        from torch.optim import AdamW
-    return AdamW
-
-
 def _param_groups(params: list[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
     """Decay matrices only (as CLIP does): no decay on biases, norms, embeddings' scale-free parts."""
     decay = [p for n, p in params if p.ndim >= 2 and "embedding" not in n]
@@ -47,7 +39,8 @@ def build_optimizers(model: nn.Module, text_precision: str, half_dtype: torch.dt
     {"image": ..., "text": ...} optimizers."""
     if text_precision not in TEXT_PRECISIONS:
         raise ValueError(f"build_optimizers: text_precision must be one of {TEXT_PRECISIONS}, got {text_precision!r}")
-    AdamW = _adamw_class()
+    from clipshard.optim import AdamW
+
     image_params = [(f"image.{n}", p) for n, p in model.image.named_parameters()]
     image_params.append(("logit_scale", model.logit_scale))
     optimizers = {"image": AdamW(_param_groups(image_params, weight_decay), lr=lr, betas=BETAS, eps=EPS)}
@@ -56,13 +49,7 @@ def build_optimizers(model: nn.Module, text_precision: str, half_dtype: torch.dt
         optimizers["text"] = AdamW(_param_groups(text_params, weight_decay), lr=lr, betas=BETAS, eps=EPS)
         return optimizers
     stochastic = text_precision == "sr16"
-    to_half(model.text, half_dtype, stochastic, generator)
-    text_params = list(model.text.named_parameters())
-    if AdamW is torch.optim.AdamW:  # TODO(train): development fallback, 16-bit states, round to nearest
-        if stochastic:
-            raise RuntimeError("sr16 needs clipshard.optim")
-        optimizers["text"] = AdamW(_param_groups(text_params, weight_decay), lr=lr, betas=BETAS, eps=EPS)
-        return optimizers
+    to_half(model.text, half_dtype, stochastic, generator)  # same Parameter objects, 16-bit data
     optimizers["text"] = AdamW(_param_groups(text_params, weight_decay), lr=lr, betas=BETAS, eps=EPS,
                                state_dtype=half_dtype, stochastic_rounding=stochastic, generator=generator)
     return optimizers
