@@ -11,24 +11,27 @@ zero-shot (the nearest of the ten prompts "a handwritten zero" ... "a handwritte
 reports accuracy, the loss's peak memory, optimizer bytes per parameter and wall time; it writes
 DIR/metrics.json and DIR/training.png. See docs/example.md.
 """
-import argparse
-import math
-import os
-import random
-import sys
 import time
-import warnings
 
-import numpy as np
-import torch
-import torch.distributed as dist
+STARTED = time.perf_counter()  # wall time counts from here: imports, process group, data, training
 
-from clip_digits.checkpoint import load_checkpoint, restore, save_checkpoint
-from clip_digits.data import contrastive_loss_floor, load_digits_data, rank_batch
-from clip_digits.measure import peak_loss_memory, zero_shot_accuracy
-from clip_digits.model import build_model
-from clip_digits.precision import HALF_DTYPES, TEXT_PRECISIONS, build_optimizers, optimizer_bytes_per_param
-from clip_digits.report import format_table, plot_runs, summary_rows, write_metrics
+import argparse  # noqa: E402
+import math  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import sys  # noqa: E402
+import warnings  # noqa: E402
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from clip_digits.checkpoint import load_checkpoint, restore, save_checkpoint  # noqa: E402
+from clip_digits.data import contrastive_loss_floor, load_digits_data, rank_batch  # noqa: E402
+from clip_digits.measure import peak_loss_memory, zero_shot_accuracy  # noqa: E402
+from clip_digits.model import build_model  # noqa: E402
+from clip_digits.precision import HALF_DTYPES, TEXT_PRECISIONS, build_optimizers, optimizer_bytes_per_param  # noqa: E402
+from clip_digits.report import format_table, plot_runs, summary_rows, write_metrics  # noqa: E402
 
 LOSSES = ("clipshard", "open_clip")
 # Flags that define the computation: a resumed run must use the same ones.
@@ -144,9 +147,12 @@ class Ranks:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def close(self):
+    def close(self, finished: bool):
+        """Leaves the process group; waits for the other ranks only after a clean finish (a rank
+        that failed must not hang here: torchrun stops the others)."""
         if self.distributed:
-            dist.barrier()
+            if finished:
+                dist.barrier()
             dist.destroy_process_group()
 
 
@@ -174,9 +180,11 @@ def seed_everything(seed: int, rank: int) -> None:
     random.seed(seed + rank)
 
 
-def train(args: argparse.Namespace, ranks: Ranks, out_dir: str, label: str = "") -> dict | None:
-    """One training run into out_dir. Returns the metrics on rank 0 (None elsewhere, or when stopped)."""
-    started = time.perf_counter()
+def train(args: argparse.Namespace, ranks: Ranks, out_dir: str, label: str = "",
+          started: float | None = None) -> dict | None:
+    """One training run into out_dir. Returns the metrics on rank 0 (None elsewhere, or when stopped).
+    Its wall time counts from `started` (default: now)."""
+    started = time.perf_counter() if started is None else started
     config = {k: getattr(args, k) for k in RUN_DEFINING}
     seed_everything(args.seed, ranks.rank)
     data = load_digits_data()
@@ -316,24 +324,30 @@ def default_out_dir() -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     ranks = Ranks(args.device, args.backend)
+    finished = False
     try:
         out_dir = ranks.broadcast(args.out or default_out_dir())  # one folder, named by rank 0's clock
         if ranks.rank == 0:
             os.makedirs(out_dir, exist_ok=True)
         if args.compare:
             _compare(args, ranks, out_dir)
-            return
-        metrics = train(args, ranks, out_dir)
-        if metrics is not None:
-            write_metrics(out_dir, metrics)
-            plot_runs(os.path.join(out_dir, "training.png"), {args.text_precision: metrics["history"]},
-                      metrics["loss_floor"],
-                      f"tiny CLIP on digits: {args.steps} steps, batch {args.batch_size}, "
-                      f"{ranks.world_size} ranks, text {args.text_precision}")
-            print(format_table(summary_rows(metrics)))
-            print(f"wrote {out_dir}/metrics.json and {out_dir}/training.png")
+        else:
+            _single(args, ranks, out_dir)
+        finished = True
     finally:
-        ranks.close()
+        ranks.close(finished)
+
+
+def _single(args: argparse.Namespace, ranks: Ranks, out_dir: str) -> None:
+    metrics = train(args, ranks, out_dir, started=STARTED)
+    if metrics is None:
+        return
+    write_metrics(out_dir, metrics)
+    plot_runs(os.path.join(out_dir, "training.png"), {args.text_precision: metrics["history"]},
+              metrics["loss_floor"], f"tiny CLIP on digits: {args.steps} steps, batch {args.batch_size}, "
+                                     f"{ranks.world_size} ranks, text {args.text_precision}")
+    print(format_table(summary_rows(metrics)))
+    print(f"wrote {out_dir}/metrics.json and {out_dir}/training.png")
 
 
 def _compare(args: argparse.Namespace, ranks: Ranks, out_dir: str) -> None:

@@ -56,6 +56,8 @@ def plot_runs(path: str, runs: dict[str, dict], loss_floor: float, title: str) -
         ax_loss.plot(history["loss_steps"], history["loss"], lw=1, label=label)
         ax_acc.plot(history["eval_steps"], [100 * a for a in history["accuracy"]], marker=".", label=label)
     ax_loss.axhline(loss_floor, color="grey", lw=0.5, ls="--")
+    ax_loss.annotate("floor: same-digit captions are interchangeable", (0, loss_floor), xytext=(2, 3),
+                     textcoords="offset points", fontsize=7, color="grey")
     ax_loss.set(xlabel="step", ylabel="contrastive loss (global batch)")
     ax_acc.set(xlabel="step", ylabel="zero-shot accuracy, held out (%)", ylim=(0, 100))
     ax_acc.axhline(90, color="grey", lw=0.5, ls="--")
