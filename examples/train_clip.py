@@ -215,14 +215,12 @@ def train(args: argparse.Namespace, ranks: Ranks, out_dir: str, label: str = "",
     else:
         model_ddp = model
     loss_fn = make_loss(args.loss, ranks)
-    train_images, captions = data.train_images.to(device), data.caption_ids.to(device)
-    test_images, test_labels, prompts = data.test_images.to(device), data.test_labels.to(device), data.prompt_ids.to(device)
-    data.train_images, data.caption_ids = train_images, captions
+    data = data.to(device)
 
     def evaluate(step: int) -> None:
         if ranks.rank == 0 and (not history["eval_steps"] or history["eval_steps"][-1] != step):
             history["eval_steps"].append(step)
-            history["accuracy"].append(zero_shot_accuracy(model, test_images, test_labels, prompts))
+            history["accuracy"].append(zero_shot_accuracy(model, data.test_images, data.test_labels, data.prompt_ids))
 
     def checkpoint(step: int) -> None:
         save_checkpoint(out_dir, ranks.rank, step=step, config={**config, "world_size": ranks.world_size},
@@ -265,16 +263,20 @@ def train(args: argparse.Namespace, ranks: Ranks, out_dir: str, label: str = "",
             print(f"stopped after step {stop} of {args.steps}; continue with --resume --out {out_dir}")
         return None
 
-    # Peak memory of one loss call (forward + backward) on this rank's shard of the last batch.
+    # Peak memory of one loss call (forward + backward) on this rank's shard of the last batch, for
+    # clipshard's loss and (when open_clip is installed) open_clip's.
+    images, token_ids, _ = rank_batch(data, args.batch_size, args.seed, args.steps - 1, ranks.rank, ranks.world_size)
     with torch.no_grad():
         image_features, text_features, scale = model(images, token_ids)
     loss_memory = {}
     for name in LOSSES:
         try:
-            other = make_loss(name, ranks)
+            measured = make_loss(name, ranks)
         except ImportError:
+            if name == args.loss:
+                raise
             continue
-        loss_memory[name] = max(ranks.gather(peak_loss_memory(other, image_features, text_features, scale)))
+        loss_memory[name] = max(ranks.gather(peak_loss_memory(measured, image_features, text_features, scale)))
     evaluate(args.steps)
     if ranks.rank != 0:
         return None
@@ -298,7 +300,7 @@ def train(args: argparse.Namespace, ranks: Ranks, out_dir: str, label: str = "",
         "loss_floor": contrastive_loss_floor(data, args.batch_size, args.seed, args.steps),
         "parameters": {"text": count_text, "image": count_image},
         "num_train_images": len(data.train_labels),
-        "num_test_images": len(test_labels),
+        "num_test_images": len(data.test_labels),
         "local_batch_size": local_batch,
         "world_size": ranks.world_size,
         "device": str(device),

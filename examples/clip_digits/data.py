@@ -73,6 +73,10 @@ class DigitsData:
     prompt_ids: torch.Tensor     # (10, L) token ids of the zero-shot prompts
     tokenizer: Tokenizer
 
+    def to(self, device: torch.device) -> "DigitsData":
+        tensors = {k: v.to(device) for k, v in vars(self).items() if torch.is_tensor(v)}
+        return DigitsData(**tensors, tokenizer=self.tokenizer)
+
 
 SPLIT_SEED = 0  # the held-out split is the same whatever --seed is
 
@@ -110,11 +114,11 @@ def rank_batch(data: DigitsData, batch_size: int, seed: int, step: int, rank: in
     """This rank's shard (images, token ids, labels) of global batch `step`, captions drawn at random."""
     indices = global_batch_indices(len(data.train_labels), batch_size, seed, step)
     local = batch_size // world_size
-    indices = indices[rank * local:(rank + 1) * local]
+    indices = indices[rank * local:(rank + 1) * local].to(data.train_labels.device)
     labels = data.train_labels[indices]
     # Caption choice depends on (seed, step, rank) only, so it is reproducible after a resume.
     generator = torch.Generator().manual_seed((seed * 1_000_003 + step) * 1024 + rank)
-    which = torch.randint(data.caption_ids.shape[1], (local,), generator=generator)
+    which = torch.randint(data.caption_ids.shape[1], (local,), generator=generator).to(labels.device)
     return data.train_images[indices], data.caption_ids[labels, which], labels
 
 
