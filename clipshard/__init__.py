@@ -6,4 +6,4 @@ from clipshard.rounding import stochastic_round, stochastic_round_  # noqa: F401
 
 __version__ = "0.1.0"
 from clipshard.fused_op import contrastive_lse  # noqa: E402,F401
-from clipshard.loss import clip_loss  # noqa: E402,F401
+from clipshard.loss import ClipLoss, clip_loss  # noqa: E402,F401

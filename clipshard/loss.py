@@ -1,33 +1,142 @@
-"""CLIP contrastive loss on one device, through the fused log-sum-exp op (docs/fused_loss.md)."""
+"""The public CLIP loss: `clip_loss` (functional) and `ClipLoss`, a drop-in for open_clip's ClipLoss.
+One device: docs/fused_loss.md; over ranks: docs/distributed.md."""
 import torch
 
+from clipshard import distributed as cdist
+from clipshard import sharded_loss
 from clipshard.fused_op import contrastive_lse
 
+_MODES = ("exchange", "local")
 
-def _check_pair(image_features, text_features):
+
+def _check_pair(image_features, text_features, fn="clip_loss"):
     for name, t in (("image_features", image_features), ("text_features", text_features)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"clip_loss: {name} must be a tensor, got {type(t).__name__}")
+            raise TypeError(f"{fn}: {name} must be a tensor, got {type(t).__name__}")
         if t.dim() != 2:
-            raise ValueError(f"clip_loss: {name} must be 2-D (batch x dim), got shape {tuple(t.shape)}")
+            raise ValueError(f"{fn}: {name} must be 2-D (batch x dim), got shape {tuple(t.shape)}")
     if image_features.dtype != text_features.dtype:
-        raise TypeError(f"clip_loss: image_features and text_features must have the same dtype, got "
+        raise TypeError(f"{fn}: image_features and text_features must have the same dtype, got "
                         f"{image_features.dtype} and {text_features.dtype}")
     if image_features.device != text_features.device:
-        raise ValueError(f"clip_loss: image_features and text_features must be on the same device, got "
+        raise ValueError(f"{fn}: image_features and text_features must be on the same device, got "
                          f"{image_features.device} and {text_features.device}")
     if image_features.shape != text_features.shape:
-        raise ValueError(f"clip_loss: image_features and text_features must have the same shape, got "
+        raise ValueError(f"{fn}: image_features and text_features must have the same shape, got "
                          f"{tuple(image_features.shape)} and {tuple(text_features.shape)}")
 
 
-def clip_loss(image_features, text_features, logit_scale, logit_bias=None):
+def _single_device_loss(image_features, text_features, logit_scale, logit_bias=None, fn="clip_loss"):
     """open_clip's ClipLoss on one device: (CE(logits_per_image) + CE(logits_per_text)) / 2 with
     logits = logit_scale * image_features @ text_features^T (+ logit_bias), the positives on the
     diagonal. One fused pass gives the row and column log-sum-exps from the same similarity tiles;
-    the B x B logits are never stored. Returns a 0-dim fp32 tensor (fp64 for fp64 features).
-    """
-    _check_pair(image_features, text_features)
+    the B x B logits are never stored."""
+    _check_pair(image_features, text_features, fn)
     row_lse, pos_logit, col_lse = contrastive_lse(image_features, text_features, logit_scale, logit_bias,
                                                   pos_offset=0, want_col_lse=True)
     return ((row_lse - pos_logit).mean() + (col_lse - pos_logit).mean()) / 2
+
+
+def _resolve_mode(fn, mode, local_loss, gather_with_grad):
+    if mode is None:
+        return "exchange" if gather_with_grad else "local"
+    if mode not in _MODES:
+        raise ValueError(f"{fn}: mode must be 'exchange', 'local' or None, got {mode!r}")
+    if mode == "exchange" and local_loss and not gather_with_grad:
+        raise ValueError(
+            f"{fn}: mode='exchange' cannot reproduce open_clip's (local_loss=True, "
+            "gather_with_grad=False) gradients, which drop the terms of each rank's features in the "
+            "other ranks' rows; use mode='local' (the default there) or gather_with_grad=True"
+        )
+    return mode
+
+
+def _config_code(local_loss, gather_with_grad, mode):
+    return int(local_loss) | int(gather_with_grad) << 1 | int(mode == "exchange") << 2
+
+
+def _as_scalar_tensor(value, like):
+    """Python numbers become 0-dim tensors on the features' device; one-element tensors become 0-dim."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and torch.is_tensor(like):
+        acc = torch.float64 if like.dtype == torch.float64 else torch.float32
+        return torch.tensor(float(value), dtype=acc, device=like.device)
+    if torch.is_tensor(value) and value.numel() == 1 and value.dim() != 0:
+        return value.reshape(())
+    return value
+
+
+def _sharded_clip_loss(fn, image, text, scale, bias, *, local_loss, gather_with_grad, mode, group,
+                       rank_arg=None, world_size_arg=None):
+    scale, bias = _as_scalar_tensor(scale, image), _as_scalar_tensor(bias, image)
+    layout = cdist.shard_layout(
+        fn, image, text, scale, bias, group, config=_config_code(local_loss, gather_with_grad, mode),
+        rank_arg=rank_arg, world_size_arg=world_size_arg,
+    )
+    if layout.world_size == 1:  # a group of one: every option gives the single-device loss
+        return _single_device_loss(image, text, scale, bias, fn)
+    if local_loss:
+        return sharded_loss.rank_loss(image, text, scale, bias, layout, mode, gather_with_grad)
+    return sharded_loss.global_loss(image, text, scale, bias, layout, mode, gather_with_grad)
+
+
+def clip_loss(image_features, text_features, logit_scale, logit_bias=None, *, local_loss=False,
+              gather_with_grad=True, mode=None, group=None):
+    """CLIP contrastive loss (CE over image rows + CE over text rows) / 2, never materialising the
+    similarity matrix.
+
+    Distributed when `group` is given or torch.distributed is initialised (then over the world
+    group), else on one device. The options follow open_clip's ClipLoss: local_loss=True returns
+    this rank's loss over its own rows and columns of the global similarity matrix, local_loss=False
+    the full-batch loss; gather_with_grad=True gives the exact full-batch gradient, False keeps
+    open_clip's gradient semantics (docs/distributed.md). mode: "exchange" (default with
+    gather_with_grad=True) or "local". Returns a 0-dim fp32 tensor (fp64 for fp64 features).
+    """
+    mode = _resolve_mode("clip_loss", mode, local_loss, gather_with_grad)
+    group, _ = cdist.resolve_group("clip_loss", group)
+    if group is None:
+        return _single_device_loss(image_features, text_features, logit_scale, logit_bias)
+    return _sharded_clip_loss(
+        "clip_loss", image_features, text_features, logit_scale, logit_bias, local_loss=local_loss,
+        gather_with_grad=gather_with_grad, mode=mode, group=group,
+    )
+
+
+class ClipLoss(torch.nn.Module):
+    """Drop-in replacement for open_clip.loss.ClipLoss (open_clip 3.3 signature), with the same
+    per-rank loss value and feature gradients for all four (local_loss, gather_with_grad)
+    combinations; see docs/distributed.md for logit_scale / logit_bias gradients per mode.
+
+    world_size=1 with no `group` computes this process's loss alone, like open_clip. Otherwise the
+    process group is `group` (default: the world group); rank and world_size, when not left at
+    their defaults, must agree with it. cache_labels is accepted and has no effect (no label tensor
+    is built). mode: see clip_loss. Horovod is not supported.
+    """
+
+    def __init__(self, local_loss=False, gather_with_grad=False, cache_labels=False, rank=0,
+                 world_size=1, use_horovod=False, *, mode=None, group=None):
+        super().__init__()
+        if use_horovod:
+            raise ValueError("ClipLoss: use_horovod=True is not supported; clipshard communicates "
+                             "through torch.distributed (launch with torchrun)")
+        self.local_loss = local_loss
+        self.gather_with_grad = gather_with_grad
+        self.cache_labels = cache_labels
+        self.rank = rank
+        self.world_size = world_size
+        self.use_horovod = use_horovod
+        self.mode = _resolve_mode("ClipLoss", mode, local_loss, gather_with_grad)
+        self.group = group
+
+    def forward(self, image_features, text_features, logit_scale, logit_bias=None, output_dict=False):
+        if self.world_size == 1 and self.group is None:
+            loss = _single_device_loss(image_features, text_features, logit_scale, logit_bias, "ClipLoss")
+        else:
+            group, _ = cdist.resolve_group("ClipLoss", self.group, self.world_size)
+            explicit = not (self.world_size == 1 and self.rank == 0)
+            loss = _sharded_clip_loss(
+                "ClipLoss", image_features, text_features, logit_scale, logit_bias,
+                local_loss=self.local_loss, gather_with_grad=self.gather_with_grad, mode=self.mode,
+                group=group, rank_arg=self.rank if explicit else None,
+                world_size_arg=self.world_size if explicit else None,
+            )
+        return {"contrastive_loss": loss} if output_dict else loss

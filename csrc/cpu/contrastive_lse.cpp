@@ -11,6 +11,7 @@
 // amount and cancels in every softmax, so the tiles never see it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/ThreadLocalState.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -135,8 +136,9 @@ void forward_impl(const at::Tensor& A, const at::Tensor& B, acc_t scale, int64_t
   // Partial column LSE of each chunk, (ref, sum) per column.
   std::vector<acc_t> col_ref(want_col ? n_chunks * K : 0, kNegInf), col_sum(want_col ? n_chunks * K : 0, 0);
 
+  const at::ThreadLocalState caller_state;  // worker threads do not inherit it (profiler, dispatch)
   at::parallel_for(0, n_chunks, 1, [&](int64_t c_begin, int64_t c_end) {
-    at::AutoDispatchBelowADInplaceOrView below_autograd;  // worker threads do not inherit it
+    at::ThreadLocalStateGuard state_guard(caller_state);
     at::Tensor tile_buf = at::empty({kRowBlock * kColBlock}, opts);
     at::Tensor exp_buf = at::empty({kRowBlock * kColBlock}, opts);
     at::Tensor row_vec = at::empty({kRowBlock}, opts), col_vec = at::empty({kColBlock}, opts);
@@ -311,18 +313,20 @@ double backward_impl(const at::Tensor& A, const at::Tensor& B, acc_t scale, int6
   // within kColGradBytesPerThread (it is O(K x D) per thread otherwise).
   const int64_t super_cols = std::min(
       K, std::max<int64_t>(kColBlock, kColGradBytesPerThread / (D * int64_t(sizeof(acc_t))) / kColBlock * kColBlock));
-  at::Tensor partial = at::empty({n_chunks, super_cols, D}, opts);
+  // Chunk 0 accumulates straight into Gc; the others into their own partial buffers.
+  at::Tensor partial = at::empty({n_chunks - 1, super_cols, D}, opts);
+  const at::ThreadLocalState caller_state;  // worker threads do not inherit it (profiler, dispatch)
   std::vector<double> bias_sum(n_chunks, 0.0);
 
   for (int64_t J0 = 0; J0 < K; J0 += super_cols) {
     const int64_t width = std::min(super_cols, K - J0);
     at::parallel_for(0, n_chunks, 1, [&](int64_t c_begin, int64_t c_end) {
-      at::AutoDispatchBelowADInplaceOrView below_autograd;
+      at::ThreadLocalStateGuard state_guard(caller_state);
       at::Tensor tile_buf = at::empty({kRowBlock * kColBlock}, opts);
       at::Tensor exp_buf = at::empty({kRowBlock * kColBlock}, opts);
       std::vector<acc_t> a(kRowBlock), b(kColBlock);
       for (int64_t c = c_begin; c < c_end; ++c) {
-        at::Tensor gc = partial[c].narrow(0, 0, width);
+        at::Tensor gc = c == 0 ? Gc.narrow(0, J0, width) : partial[c - 1].narrow(0, 0, width);
         gc.zero_();
         const auto [blk_begin, blk_end] = chunk_blocks(c, n_chunks, n_blocks);
         for (int64_t blk = blk_begin; blk < blk_end; ++blk) {
@@ -343,8 +347,7 @@ double backward_impl(const at::Tensor& A, const at::Tensor& B, acc_t scale, int6
       }
     });
     at::Tensor out = Gc.narrow(0, J0, width);  // chunk order: deterministic for a given thread count
-    out.copy_(partial[0].narrow(0, 0, width));
-    for (int64_t c = 1; c < n_chunks; ++c) out.add_(partial[c].narrow(0, 0, width));
+    for (int64_t c = 1; c < n_chunks; ++c) out.add_(partial[c - 1].narrow(0, 0, width));
   }
   double total = 0.0;
   for (double s : bias_sum) total += s;

@@ -1,0 +1,317 @@
+"""Collectives around the local contrastive kernels (docs/distributed.md).
+
+Everything that talks to other ranks lives here, as autograd Functions over torch.distributed
+collectives, so that the kernels only ever see local tensors:
+
+- `gather_rows`: all-gather of features along dim 0 (unequal local sizes allowed); backward is a
+  reduce-scatter (sum) of the gradient.
+- `combine_column_lse`: C[j] = logsumexp_r c_r[j] over ranks; backward all-reduces the incoming
+  gradient and returns g_C * exp(c_r - C).
+- `shard_layout`: one small all-gather of per-rank metadata that validates the inputs of every rank
+  (so that a bad input raises on all ranks instead of hanging some of them) and returns the local
+  sizes of all ranks.
+
+The process group's backend decides the transport (NCCL for CUDA tensors, gloo for CPU tensors).
+Features travel in their own dtype; log-sum-exps travel in fp32.
+"""
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# Recent torch versions renamed the single-tensor collectives (deprecating the old names); older
+# versions only have the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+_DEVICE_CODES = {"cpu": 0, "cuda": 1}
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """Where this rank's rows sit in the global (concatenated) batch."""
+
+    sizes: tuple  # local batch size of every rank, in rank order
+    rank: int
+    group: object  # a ProcessGroup, or None for a single process
+
+    @property
+    def world_size(self):
+        return len(self.sizes)
+
+    @property
+    def offset(self):
+        return sum(self.sizes[: self.rank])
+
+    @property
+    def local_size(self):
+        return self.sizes[self.rank]
+
+    @property
+    def total(self):
+        return sum(self.sizes)
+
+
+def single_process_layout(batch_size):
+    return ShardLayout(sizes=(batch_size,), rank=0, group=None)
+
+
+def resolve_group(fn, group, world_size=None):
+    """The process group to use and its size; world_size (open_clip's argument) > 1 without an
+    initialised process group is an error."""
+    initialised = dist.is_available() and dist.is_initialized()
+    if group is None and not initialised:
+        if world_size not in (None, 1):
+            raise RuntimeError(
+                f"{fn}: world_size={world_size} but torch.distributed is not initialised; call "
+                "torch.distributed.init_process_group first (or use world_size=1)"
+            )
+        return None, 1
+    if not initialised:
+        raise RuntimeError(f"{fn}: a process group was given but torch.distributed is not initialised")
+    group = group if group is not None else dist.group.WORLD
+    return group, dist.get_world_size(group)
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation across ranks
+# ---------------------------------------------------------------------------------------------
+
+# Problems a rank can find in its own inputs; the code travels to the other ranks so that they
+# raise too (with the description) instead of waiting in a collective.
+_LOCAL_PROBLEMS = {
+    1: "image_features and text_features must be 2-D",
+    2: "image_features and text_features must have the same dtype",
+    3: "image_features and text_features must be on the same device",
+    4: "image_features and text_features must have the same shape",
+    5: "features must be fp32, fp16, bf16 or fp64",
+    6: "features must be on a CPU or CUDA device",
+    7: "the local batch must not be empty",
+    8: "logit_scale must be a tensor with one element on the features' device",
+    9: "logit_bias must be None or a tensor with one element on the features' device",
+}
+_TYPE_PROBLEMS = (2, 5)  # raised as TypeError on the rank that has them, ValueError otherwise
+
+
+def _local_problem(image, text, scale, bias):
+    """(code, message) of the first problem with this rank's inputs, or (0, None)."""
+
+    def fail(code, detail):
+        return code, f"{_LOCAL_PROBLEMS[code]}, got {detail}"
+
+    if image.dim() != 2 or text.dim() != 2:
+        return fail(1, f"shapes {tuple(image.shape)} and {tuple(text.shape)}")
+    if image.dtype != text.dtype:
+        return fail(2, f"{image.dtype} and {text.dtype}")
+    if image.device != text.device:
+        return fail(3, f"{image.device} and {text.device}")
+    if image.shape != text.shape:
+        return fail(4, f"{tuple(image.shape)} and {tuple(text.shape)}")
+    if image.dtype not in _DTYPE_CODES:
+        return fail(5, f"{image.dtype}")
+    if image.device.type not in _DEVICE_CODES:
+        return fail(6, f"{image.device}")
+    if image.shape[0] == 0:
+        return fail(7, f"{tuple(image.shape)}")
+    if not torch.is_tensor(scale) or scale.numel() != 1 or scale.device != image.device:
+        got = f"{tuple(scale.shape)} on {scale.device}" if torch.is_tensor(scale) else type(scale).__name__
+        return fail(8, got)
+    if bias is not None and (not torch.is_tensor(bias) or bias.numel() != 1 or bias.device != image.device):
+        got = f"{tuple(bias.shape)} on {bias.device}" if torch.is_tensor(bias) else type(bias).__name__
+        return fail(9, got)
+    return 0, None
+
+
+def _requires_grad_bits(image, text, scale, bias):
+    flags = (image.requires_grad, text.requires_grad, scale.requires_grad,
+             bias is not None and bias.requires_grad)
+    return sum(int(f) << k for k, f in enumerate(flags))
+
+
+# Column order of the metadata each rank contributes.
+_META_FIELDS = ("problem", "batch", "dim", "dtype", "device", "has_bias", "requires_grad",
+                "config", "rank_arg", "world_size_arg")
+
+
+def shard_layout(fn, image, text, scale, bias, group, *, config=0, rank_arg=None, world_size_arg=None):
+    """Validate the inputs of all ranks and return the ShardLayout.
+
+    With a process group, every rank contributes one small int64 row of metadata (one all-gather)
+    and every rank checks all rows with the same code, so an inconsistency raises the same error on
+    every rank. `config` encodes the loss options, which must agree too (different options would run
+    different collectives and hang). rank_arg / world_size_arg are open_clip's constructor
+    arguments, checked against the group when given.
+    """
+    for name, value in (("image_features", image), ("text_features", text)):
+        if not torch.is_tensor(value):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(value).__name__}")
+    code, message = _local_problem(image, text, scale, bias)
+    if group is None:
+        if code:
+            raise (TypeError if code in _TYPE_PROBLEMS else ValueError)(f"{fn}: {message}")
+        return single_process_layout(image.shape[0])
+
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    shape_ok = code == 0 or code > 4  # codes 1 to 4: the shapes themselves may be wrong
+    row = [
+        code,
+        image.shape[0] if shape_ok else 0,
+        image.shape[1] if shape_ok else 0,
+        _DTYPE_CODES.get(image.dtype, -1),
+        _DEVICE_CODES.get(image.device.type, -1),
+        int(bias is not None),
+        _requires_grad_bits(image, text, scale, bias) if code == 0 else 0,
+        config,
+        -1 if rank_arg is None else rank_arg,
+        -1 if world_size_arg is None else world_size_arg,
+    ]
+    mine = torch.tensor(row, dtype=torch.int64, device=image.device)
+    everyone = torch.empty(world_size * len(row), dtype=torch.int64, device=image.device)
+    _all_gather_single(everyone, mine, group=group)
+    table = everyone.view(world_size, len(row)).tolist()
+    _check_table(fn, table, rank, world_size, message)
+    return ShardLayout(sizes=tuple(r[1] for r in table), rank=rank, group=group)
+
+
+def _check_table(fn, table, rank, world_size, own_message):
+    """Raise the same error on every rank if any rank's row is bad or rows disagree."""
+    field = {name: k for k, name in enumerate(_META_FIELDS)}
+    for q, row in enumerate(table):
+        code = row[field["problem"]]
+        if code:
+            if q == rank:
+                error = TypeError if code in _TYPE_PROBLEMS else ValueError
+                raise error(f"{fn}: {own_message} (on rank {q})")
+            raise ValueError(f"{fn}: rank {q} has invalid inputs: {_LOCAL_PROBLEMS[code]}")
+    for q, row in enumerate(table):
+        if row[field["world_size_arg"]] not in (-1, world_size):
+            raise ValueError(
+                f"{fn}: rank {q} was given world_size={row[field['world_size_arg']]} but the process "
+                f"group has {world_size} ranks"
+            )
+        if row[field["rank_arg"]] not in (-1, q):
+            raise ValueError(f"{fn}: rank {q} of the process group was given rank={row[field['rank_arg']]}")
+    must_agree = {
+        "dim": "feature dimension D",
+        "dtype": "feature dtype",
+        "device": "feature device type",
+        "has_bias": "presence of logit_bias",
+        "requires_grad": "requires_grad pattern of (image, text, logit_scale, logit_bias)",
+        "config": "loss options (local_loss, gather_with_grad, mode)",
+    }
+    for name, what in must_agree.items():
+        values = [row[field[name]] for row in table]
+        if len(set(values)) > 1:
+            shown = {"dtype": {v: str(k) for k, v in _DTYPE_CODES.items()},
+                     "device": {v: k for k, v in _DEVICE_CODES.items()}}.get(name, {})
+            per_rank = ", ".join(f"rank {q}: {shown.get(v, v)}" for q, v in enumerate(values))
+            raise ValueError(f"{fn}: all ranks must use the same {what}, got {per_rank}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd collectives
+# ---------------------------------------------------------------------------------------------
+
+
+class _GatherRows(torch.autograd.Function):
+    """All-gather along dim 0; backward = reduce-scatter (sum) of the gradient.
+
+    Unequal local sizes: every rank pads its rows to the largest local size, one
+    all_gather_into_tensor moves (world * max) rows, and the padding is cut out. Padding keeps the
+    single-buffer collectives (the fast path of NCCL, and the only reduce-scatter gloo offers);
+    only the last batch of an epoch is usually unequal, so the wasted bytes are rare.
+    """
+
+    @staticmethod
+    def forward(ctx, x, layout):
+        ctx.layout = layout
+        return _gather(x.contiguous(), layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        layout = ctx.layout
+        width = max(layout.sizes)
+        if min(layout.sizes) == width:
+            padded = grad.contiguous()
+        else:
+            padded = grad.new_zeros(layout.world_size * width, *grad.shape[1:])
+            mask = _row_mask(layout, grad.device)
+            padded.view(layout.world_size, width, -1)[mask] = grad.reshape(grad.shape[0], -1)
+        out = grad.new_empty(width, *grad.shape[1:])
+        _reduce_scatter_single(out, padded, group=layout.group)
+        return out[: layout.local_size], None
+
+
+def _row_mask(layout, device):
+    """(world, max) boolean mask of the real (unpadded) rows."""
+    width = max(layout.sizes)
+    sizes = torch.tensor(layout.sizes, device=device)
+    return torch.arange(width, device=device)[None, :] < sizes[:, None]
+
+
+def _gather(x, layout):
+    width = max(layout.sizes)
+    if min(layout.sizes) == width:
+        out = x.new_empty(layout.total, *x.shape[1:])
+        _all_gather_single(out, x, group=layout.group)
+        return out
+    padded = x.new_zeros(width, *x.shape[1:])
+    padded[: x.shape[0]] = x
+    out = x.new_empty(layout.world_size * width, *x.shape[1:])
+    _all_gather_single(out, padded, group=layout.group)
+    return out.view(layout.world_size, width, -1)[_row_mask(layout, x.device)].view(layout.total, *x.shape[1:])
+
+
+def gather_rows(x, layout, *, with_grad=True):
+    """Concatenation over ranks of every rank's `x` (rows in rank order). With with_grad, the
+    gradient of the result is reduce-scattered back (summed over ranks) to each rank's `x`."""
+    if layout.world_size == 1:
+        return x if with_grad else x.detach()
+    if with_grad:
+        return _GatherRows.apply(x, layout)
+    with torch.no_grad():
+        return _gather(x.detach().contiguous(), layout)
+
+
+class _CombineColumnLSE(torch.autograd.Function):
+    """C = logsumexp over ranks of the partial column LSEs c_r (all ranks hold all columns).
+
+    Forward: all_reduce MAX, then all_reduce SUM of exp(c_r - max). Backward: each rank's loss
+    touches only its own columns of C, so the full gradient of C is the SUM over ranks of the
+    incoming gradients; dC/dc_r = exp(c_r - C).
+    """
+
+    @staticmethod
+    def forward(ctx, partial, group):
+        high = partial.detach().clone()
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=group)
+        high = torch.where(torch.isfinite(high), high, torch.zeros_like(high))
+        total = torch.exp(partial - high)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        combined = high + torch.log(total)
+        ctx.group = group
+        ctx.save_for_backward(partial, combined)
+        return combined
+
+    @staticmethod
+    def backward(ctx, grad):
+        partial, combined = ctx.saved_tensors
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad * torch.exp(partial - combined), None
+
+
+def combine_column_lse(partial, layout):
+    """Global column LSE from each rank's partial column LSE (fp32 or wider)."""
+    if layout.world_size == 1:
+        return partial
+    return _CombineColumnLSE.apply(partial, layout.group)
+
+
+def all_reduce_sum(x, layout):
+    """Sum over ranks of a (detached) tensor; no autograd."""
+    x = x.detach().clone()
+    if layout.world_size > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=layout.group)
+    return x

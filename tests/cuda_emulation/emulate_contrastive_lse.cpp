@@ -1,0 +1,183 @@
+// Runs the CUDA kernels of csrc/cuda/contrastive_lse_{kernels,mma}.cuh on the host through
+// emulate_cuda.h / emulate_mma.h and compares them with a double-precision reference of the same
+// maths: the FMA kernels in fp32, the tensor-core kernels in bf16 and fp16.
+// Build: g++ -std=c++20 -O1 -pthread -I<repo>/csrc/cuda -I<torch>/include emulate_contrastive_lse.cpp
+// Prints one line per case and exits non-zero on any mismatch.
+#define CLIPSHARD_LSE_HOST_EMULATION
+#include "emulate_cuda.h"
+#include "emulate_mma.h"
+// The kernels, compiled as host code:
+#include "contrastive_lse_mma.cuh"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <type_traits>
+
+namespace k = clipshard::lse_cuda;
+
+struct Case {
+  int64_t M, K, D, pos;
+  float scale;
+  bool has_bias, has_col;
+  bool nan_row;  // put a NaN into row 1
+};
+
+static unsigned blocks(int64_t n) { return static_cast<unsigned>((n + k::kTile - 1) / k::kTile); }
+
+static bool close(double got, double want, double atol, const char* what, int64_t index) {
+  if (std::fabs(got - want) <= atol + 1e-5 * std::fabs(want)) return true;
+  std::printf("  MISMATCH %s[%lld]: got %.8g, want %.8g (atol %.3g)\n", what,
+              static_cast<long long>(index), got, want, atol);
+  return false;
+}
+
+// T = float runs the FMA kernels; T = c10::BFloat16 / c10::Half the tensor-core kernels.
+template <typename T>
+static bool run_case(const Case& c, std::mt19937& gen) {
+  constexpr bool kMma = !std::is_same_v<T, float>;
+  const char* path = kMma ? (std::is_same_v<T, c10::Half> ? "mma fp16" : "mma bf16") : "fma fp32";
+  const int64_t M = c.M, K = c.K, D = c.D;
+  std::normal_distribution<float> normal(0.f, 1.f / std::sqrt(static_cast<float>(D)));
+  std::vector<T> rows(M * D), cols(K * D);
+  std::vector<float> g_row(M), g_pos(M), g_col(K);
+  for (auto& v : rows) v = T(normal(gen));
+  for (auto& v : cols) v = T(normal(gen));
+  std::normal_distribution<float> unit(0.f, 1.f);
+  for (auto& v : g_row) v = unit(gen);
+  for (auto& v : g_pos) v = unit(gen);
+  for (auto& v : g_col) v = unit(gen);
+  if (c.nan_row) rows[1 * D + 0] = T(NAN);
+  const float scale = c.scale, bias = 0.75f;
+  const float* bias_p = c.has_bias ? &bias : nullptr;
+
+  // Kernels.
+  const auto forward = kMma ? k::lse_forward_mma_kernel<T> : k::lse_forward_kernel<T>;
+  const auto backward = kMma ? k::lse_backward_mma_kernel<T> : k::lse_backward_kernel<T>;
+  const unsigned threads = kMma ? k::kMmaThreads : k::kThreads;
+  std::vector<float> row_lse(M), pos(M), col_lse(K);
+  emulate_launch(forward, blocks(M), threads,
+                 k::ForwardParams<T>{rows.data(), cols.data(), M, K, D, &scale, bias_p,
+                                     row_lse.data(), pos.data(), c.pos});
+  emulate_launch(forward, blocks(K), threads,
+                 k::ForwardParams<T>{cols.data(), rows.data(), K, M, D, &scale, bias_p,
+                                     col_lse.data(), nullptr, 0});
+  std::vector<float> grad_rows(M * D, 0.f), grad_cols(K * D, 0.f), partials(2 * blocks(M)), sums(2);
+  const float* g_col_p = c.has_col ? g_col.data() : nullptr;
+  const float* col_lse_p = c.has_col ? col_lse.data() : nullptr;
+  emulate_launch(backward, blocks(M), threads,
+                 k::BackwardParams<T>{rows.data(), cols.data(), M, K, D, &scale, bias_p,
+                                      row_lse.data(), g_row.data(), col_lse_p, g_col_p,
+                                      g_pos.data(), true, c.pos, grad_rows.data(),
+                                      partials.data(), partials.data() + blocks(M)});
+  emulate_launch(backward, blocks(K), threads,
+                 k::BackwardParams<T>{cols.data(), rows.data(), K, M, D, &scale, bias_p,
+                                      col_lse_p, g_col_p, row_lse.data(), g_row.data(),
+                                      g_pos.data(), false, -c.pos, grad_cols.data(), nullptr,
+                                      nullptr});
+  auto sum_kernel = [&](int) {
+    k::sum_partials_kernel(partials.data(), partials.data() + blocks(M), blocks(M), sums.data());
+  };
+  emulate_launch(sum_kernel, 1, k::kThreads, 0);
+
+  // Reference in double.
+  std::vector<double> S(M * K), dot(M * K), ref_row(M), ref_col(K);
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < K; ++j) {
+      double d = 0;
+      for (int64_t f = 0; f < D; ++f) d += double(float(rows[i * D + f])) * float(cols[j * D + f]);
+      dot[i * K + j] = d;
+      S[i * K + j] = scale * d + (c.has_bias ? bias : 0.0);
+    }
+  auto lse = [](const std::vector<double>& x) {
+    double m = -INFINITY;
+    for (double v : x) m = std::max(m, v);
+    double s = 0;
+    for (double v : x) s += std::exp(v - m);
+    return m + std::log(s);
+  };
+  for (int64_t i = 0; i < M; ++i) {
+    std::vector<double> x(S.begin() + i * K, S.begin() + (i + 1) * K);
+    bool nan = false;
+    for (double v : x) nan |= std::isnan(v);
+    ref_row[i] = nan ? NAN : lse(x);
+  }
+  for (int64_t j = 0; j < K; ++j) {
+    std::vector<double> x(M);
+    bool nan = false;
+    for (int64_t i = 0; i < M; ++i) x[i] = S[i * K + j], nan |= std::isnan(x[i]);
+    ref_col[j] = nan ? NAN : lse(x);
+  }
+  std::vector<double> ref_grad_rows(M * D, 0.0), ref_grad_cols(K * D, 0.0);
+  double ref_scale = 0, ref_bias = 0, bound = 0;
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < K; ++j) {
+      const double s = S[i * K + j];
+      double d = g_row[i] * std::exp(s - ref_row[i]);
+      if (c.has_col) d += g_col[j] * std::exp(s - ref_col[j]);
+      if (j == i + c.pos) d += g_pos[i];
+      for (int64_t f = 0; f < D; ++f) {
+        ref_grad_rows[i * D + f] += scale * d * float(cols[j * D + f]);
+        ref_grad_cols[j * D + f] += scale * d * float(rows[i * D + f]);
+      }
+      ref_scale += d * dot[i * K + j];
+      ref_bias += d;
+      bound += std::fabs(d) * (1 + std::fabs(dot[i * K + j]));
+    }
+
+  bool ok = true;
+  if (c.nan_row) {  // NaN in row 1: its row LSE, its positive logit and every column LSE are NaN
+    ok &= std::isnan(row_lse[1]) && std::isnan(pos[1]) && std::isnan(grad_rows[1 * D]);
+    for (int64_t j = 0; j < K; ++j) ok &= std::isnan(col_lse[j]);
+    for (int64_t i = 0; i < M; ++i) ok &= (i == 1) || std::isfinite(row_lse[i]);
+    ok &= std::isnan(sums[0]);
+    std::printf("%s %s NaN case M=%lld K=%lld D=%lld\n", ok ? "ok" : "FAILED", path, (long long)M,
+                (long long)K, (long long)D);
+    return ok;
+  }
+  const double atol = 1e-5 * (1 + scale);
+  for (int64_t i = 0; i < M && ok; ++i) {
+    ok &= close(row_lse[i], ref_row[i], atol, "row_lse", i);
+    ok &= close(pos[i], S[i * K + i + c.pos], atol, "pos_logit", i);
+  }
+  for (int64_t j = 0; j < K && ok; ++j) ok &= close(col_lse[j], ref_col[j], atol, "col_lse", j);
+  double max_rows = 0, max_cols = 0;
+  for (double v : ref_grad_rows) max_rows = std::max(max_rows, std::fabs(v));
+  for (double v : ref_grad_cols) max_cols = std::max(max_cols, std::fabs(v));
+  // The tensor-core backward rounds scale * dS to T before the dS @ other product.
+  const double grad_tol = !kMma ? 1e-4 : std::is_same_v<T, c10::Half> ? 2e-3 : 1.6e-2;
+  for (int64_t n = 0; n < M * D && ok; ++n)
+    ok &= close(grad_rows[n], ref_grad_rows[n], grad_tol * max_rows, "grad_rows", n);
+  for (int64_t n = 0; n < K * D && ok; ++n)
+    ok &= close(grad_cols[n], ref_grad_cols[n], grad_tol * max_cols, "grad_cols", n);
+  ok &= close(sums[0], ref_scale, 1e-5 * bound, "grad_scale", 0);
+  ok &= close(sums[1], ref_bias, 1e-5 * bound, "grad_bias", 0);
+  std::printf("%s %s M=%lld K=%lld D=%lld pos=%lld scale=%g bias=%d col=%d\n", ok ? "ok" : "FAILED",
+              path, (long long)M, (long long)K, (long long)D, (long long)c.pos, scale, c.has_bias,
+              c.has_col);
+  return ok;
+}
+
+int main() {
+  std::mt19937 gen(1234);
+  // M, K, D, pos_offset, scale, bias, column term, NaN. The tensor-core kernels need D % 8 == 0.
+  const Case fma_cases[] = {
+      {1, 1, 1, 0, 1.f, false, true, false},     {3, 5, 17, 2, 14.3f, true, true, false},
+      {65, 130, 33, 1, 1.f, true, true, false},  {70, 200, 40, 100, 100.f, false, true, false},
+      {129, 129, 64, 0, 14.3f, true, false, false}, {20, 70, 9, 50, 100.f, true, true, false},
+      {40, 90, 24, 10, 14.3f, false, true, true},
+  };
+  const Case mma_cases[] = {
+      {1, 1, 8, 0, 1.f, false, true, false},     {3, 5, 16, 2, 14.3f, true, true, false},
+      {65, 130, 40, 1, 1.f, true, true, false},  {70, 200, 72, 100, 100.f, false, true, false},
+      {129, 129, 64, 0, 14.3f, true, false, false}, {40, 90, 24, 10, 14.3f, false, true, true},
+  };
+  bool all = true;
+  for (const Case& c : fma_cases) all &= run_case<float>(c, gen);
+  for (const Case& c : mma_cases) all &= run_case<c10::BFloat16>(c, gen);
+  for (const Case& c : mma_cases)  // fp16 differs from bf16 only in pack_pair: fewer cases
+    if (c.M == 3 || c.M == 70 || c.nan_row) all &= run_case<c10::Half>(c, gen);
+  std::printf(all ? "ALL OK\n" : "SOME FAILED\n");
+  return all ? 0 : 1;
+}

@@ -1,0 +1,79 @@
+// Host emulation of the few CUDA features the FMA kernels of csrc/cuda/contrastive_lse_kernels.cuh
+// use, so that their indexing, masking and reductions can be checked on a machine without a GPU:
+// one std::thread per CUDA thread, one block at a time (so `static` locals are shared memory),
+// __syncthreads as a std::barrier, warp shuffles through a block-wide exchange buffer.
+// Not a CUDA simulator: no memory model, no warp divergence rules; all threads of a block must
+// reach every barrier and shuffle, which the kernels guarantee anyway.
+#pragma once
+
+#include <barrier>
+#include <cstdint>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(n)
+#define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
+
+struct alignas(16) uint4 {
+  uint32_t x, y, z, w;
+};
+inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
+
+struct dim3 {
+  unsigned x = 0, y = 0, z = 0;
+};
+inline thread_local dim3 threadIdx, blockIdx;
+
+struct EmulatedBlock {
+  std::barrier<>* barrier;
+  float exchange[1024];
+  const void* pointers[1024];
+  uint32_t words[1024][6];
+};
+inline EmulatedBlock* g_block = nullptr;
+
+inline void __syncthreads() { g_block->barrier->arrive_and_wait(); }
+
+// Every thread publishes v, then reads lane `src_lane` of its own warp (own value if out of range).
+inline float emulated_shuffle(float v, int src_lane) {
+  const int t = static_cast<int>(threadIdx.x), lane = t % 32;
+  g_block->exchange[t] = v;
+  __syncthreads();
+  const float out = (src_lane >= 0 && src_lane < 32) ? g_block->exchange[t - lane + src_lane] : v;
+  __syncthreads();
+  return out;
+}
+
+inline float __shfl_xor_sync(unsigned, float v, int lane_mask, int width = 32) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int segment = lane / width * width;
+  return emulated_shuffle(v, segment + ((lane - segment) ^ lane_mask) % width);
+}
+
+inline float __shfl_down_sync(unsigned, float v, unsigned offset) {
+  return emulated_shuffle(v, static_cast<int>(threadIdx.x % 32 + offset));
+}
+
+// kernel<<<grid, block>>>(params), blocks one after another.
+template <typename Kernel, typename Params>
+void emulate_launch(Kernel kernel, unsigned grid, unsigned block, const Params& params) {
+  for (unsigned b = 0; b < grid; ++b) {
+    std::barrier<> barrier(block);
+    auto state = std::make_unique<EmulatedBlock>();
+    state->barrier = &barrier;
+    g_block = state.get();
+    std::vector<std::thread> threads;
+    for (unsigned t = 0; t < block; ++t)
+      threads.emplace_back([&, t, b] {
+        threadIdx.x = t;
+        blockIdx.x = b;
+        kernel(params);
+      });
+    for (auto& thread : threads) thread.join();
+  }
+}
