@@ -297,6 +297,7 @@ def train(args: argparse.Namespace, ranks: Ranks, out_dir: str, label: str = "",
         "train_seconds": train_seconds,
         "samples_per_second": steps_run * args.batch_size / train_seconds if steps_run else 0.0,
         "final_loss": history["loss"][-1],
+        "loss_last_50_steps": sum(history["loss"][-50:]) / len(history["loss"][-50:]),
         "loss_floor": contrastive_loss_floor(data, args.batch_size, args.seed, args.steps),
         "parameters": {"text": count_text, "image": count_image},
         "num_train_images": len(data.train_labels),
@@ -366,10 +367,11 @@ def _compare(args: argparse.Namespace, ranks: Ranks, out_dir: str) -> None:
             results[precision] = metrics
     if ranks.rank != 0:
         return
-    rows = [("text precision", "accuracy   final loss   text bytes/param   train s")]
-    rows += [(p, f"{100 * m['zero_shot_accuracy']:6.1f}%   {m['final_loss']:10.4f}   "
+    rows = [("text precision", "accuracy   loss, last 50 steps   text bytes/param   train s")]
+    rows += [(p, f"{100 * m['zero_shot_accuracy']:6.1f}%   {m['loss_last_50_steps']:19.4f}   "
                  f"{m['optimizer_bytes_per_param_text']:16.2f}   {m['train_seconds']:7.1f}")
              for p, m in results.items()]
+    rows.append(("loss floor", f"{results['fp32']['loss_floor']:.4f}"))
     print(format_table(rows))
     write_metrics(out_dir, {"compare": {p: {k: v for k, v in m.items() if k != "history"} for p, m in results.items()}})
     plot_runs(os.path.join(out_dir, "compare.png"), {p: m["history"] for p, m in results.items()},
