@@ -13,6 +13,7 @@ sys.path.insert(0, EXAMPLES)
 
 import train_clip  # noqa: E402
 from clip_digits.data import global_batch_indices, load_digits_data, rank_batch  # noqa: E402
+from clip_digits.measure import peak_loss_memory  # noqa: E402
 from clip_digits.model import TextEncoder  # noqa: E402
 
 TINY = ["--steps", "6", "--batch-size", "64", "--warmup", "2", "--eval-every", "3", "--checkpoint-every", "2",
@@ -75,6 +76,16 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         grads.append([p.grad.clone() for p in encoder.parameters()])
     for with_ckpt, without in zip(*grads):
         torch.testing.assert_close(with_ckpt, without, rtol=0, atol=1e-6)
+
+
+def test_peak_loss_memory_sees_a_materialised_similarity_matrix():
+    def materialising_loss(image, text, scale):  # keeps the 512 x 512 fp32 logits (1 MiB) alive
+        logits = scale * image @ text.T
+        return logits.logsumexp(dim=1).mean() - logits.diagonal().mean()
+
+    image, text = torch.randn(512, 8), torch.randn(512, 8)
+    peak = peak_loss_memory(materialising_loss, image, text, torch.tensor(2.0), repeats=1)
+    assert 512 * 512 * 4 <= peak < 8 * 512 * 512 * 4
 
 
 # ---- real 2-rank runs -------------------------------------------------------------------------

@@ -55,12 +55,18 @@ def _peak_of_allocations(profiler) -> int:
 
 
 def peak_loss_memory(loss_fn, image_features: torch.Tensor, text_features: torch.Tensor,
-                     logit_scale: torch.Tensor) -> int:
-    """Bytes allocated at the peak of one loss forward + backward, beyond its inputs.
+                     logit_scale: torch.Tensor, repeats: int = 3) -> int:
+    """Bytes allocated at the peak of one loss forward + backward, beyond its inputs; the largest
+    of `repeats` calls (with gloo, when a collective's buffers are freed varies by a few tens of KiB
+    from call to call).
 
     CUDA: max_memory_allocated around the call. CPU: the allocation events of torch.profiler,
     replayed in order. Every rank must call this together (the loss talks to the other ranks).
     """
+    return max(_peak_of_one_call(loss_fn, image_features, text_features, logit_scale) for _ in range(repeats))
+
+
+def _peak_of_one_call(loss_fn, image_features, text_features, logit_scale) -> int:
     image_features = image_features.detach().requires_grad_()
     text_features = text_features.detach().requires_grad_()
     logit_scale = logit_scale.detach().requires_grad_()
