@@ -24,13 +24,13 @@ import warnings  # noqa: E402
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 from clip_digits.checkpoint import load_checkpoint, restore, save_checkpoint  # noqa: E402
 from clip_digits.data import contrastive_loss_floor, load_digits_data, rank_batch  # noqa: E402
 from clip_digits.measure import peak_loss_memory, zero_shot_accuracy  # noqa: E402
 from clip_digits.model import build_model  # noqa: E402
 from clip_digits.precision import HALF_DTYPES, TEXT_PRECISIONS, build_optimizers, optimizer_bytes_per_param  # noqa: E402
+from clip_digits.ranks import Ranks, cuda_fits  # noqa: E402
 from clip_digits.report import format_table, plot_runs, summary_rows, write_metrics  # noqa: E402
 
 LOSSES = ("clipshard", "open_clip")
@@ -64,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=25, help="held-out zero-shot accuracy every N steps")
     p.add_argument("--checkpoint-every", type=int, default=100, help="save a checkpoint every N steps (0: only at the end)")
     p.add_argument("--stop-after", type=int, help="stop after this step with a checkpoint, as if interrupted")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: CUDA when present")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="auto: CUDA when every rank on this machine gets a GPU of its own")
     p.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                    help="torch.distributed backend (auto: NCCL on CUDA, gloo on CPU)")
     p.add_argument("--image-width", type=int, default=32, help="channels of the image CNN")
@@ -99,61 +100,15 @@ def parse_args(argv=None, world_size: int | None = None) -> argparse.Namespace:
         parser.error("--resume needs --out: the run folder to continue")
     if args.compare and (args.resume or args.stop_after is not None):
         parser.error("--compare cannot be combined with --resume or --stop-after")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device is available")
-    device = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    if args.device == "cuda" and not cuda_fits():
+        parser.error(f"--device cuda: each of the {os.environ.get('LOCAL_WORLD_SIZE', 1)} ranks on this machine "
+                     f"needs its own GPU, {torch.cuda.device_count()} found")
+    device = "cuda" if args.device == "cuda" or (args.device == "auto" and cuda_fits()) else "cpu"
     backend = args.backend if args.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
     if backend == "nccl" and device != "cuda":
         parser.error("--backend nccl needs --device cuda")
     args.device, args.backend = device, backend
     return args
-
-
-class Ranks:
-    """Who we are: rank, world size, device. Runs without torchrun as a single rank."""
-
-    def __init__(self, device: str, backend: str):
-        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
-        self.rank = int(os.environ.get("RANK", 0))
-        self.distributed = "WORLD_SIZE" in os.environ
-        if device == "cuda":
-            local_rank = int(os.environ.get("LOCAL_RANK", 0))
-            torch.cuda.set_device(local_rank)
-            self.device = torch.device("cuda", local_rank)
-        else:
-            self.device = torch.device("cpu")
-        self.backend = backend
-        if self.distributed:
-            dist.init_process_group(backend, device_id=self.device if device == "cuda" else None)
-
-    def mean(self, value: torch.Tensor) -> float:
-        value = value.detach().float().clone()
-        if self.distributed:
-            dist.all_reduce(value)
-            value /= self.world_size
-        return value.item()
-
-    def gather(self, obj) -> list:
-        if not self.distributed:
-            return [obj]
-        out = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def broadcast(self, obj):
-        if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def close(self, finished: bool):
-        """Leaves the process group; waits for the other ranks only after a clean finish (a rank
-        that failed must not hang here: torchrun stops the others)."""
-        if self.distributed:
-            if finished:
-                dist.barrier()
-            dist.destroy_process_group()
 
 
 def make_loss(name: str, ranks: Ranks):
