@@ -231,7 +231,7 @@ def train(args: argparse.Namespace, ranks: Ranks, out_dir: str, label: str = "",
             if name == args.loss:
                 raise
             continue
-        loss_memory[name] = max(ranks.gather(peak_loss_memory(measured, image_features, text_features, scale)))
+        loss_memory[name] = ranks.gather(peak_loss_memory(measured, image_features, text_features, scale))
     evaluate(args.steps)
     if ranks.rank != 0:
         return None
@@ -243,8 +243,9 @@ def train(args: argparse.Namespace, ranks: Ranks, out_dir: str, label: str = "",
     steps_run = stop - start_step
     return {
         "zero_shot_accuracy": history["accuracy"][-1],
-        "peak_loss_memory_bytes": loss_memory[args.loss],
-        "peak_loss_memory_bytes_by_loss": loss_memory,
+        "peak_loss_memory_bytes": max(loss_memory[args.loss]),  # the largest over ranks
+        "peak_loss_memory_bytes_by_loss": {name: max(per_rank) for name, per_rank in loss_memory.items()},
+        "peak_loss_memory_bytes_per_rank": loss_memory,
         "optimizer_bytes_per_param": (bytes_text * count_text + bytes_image * count_image) / (count_text + count_image),
         "optimizer_bytes_per_param_text": bytes_text,
         "optimizer_bytes_per_param_image": bytes_image,
