@@ -96,7 +96,11 @@ def _torchrun(out_dir, *extra):
     repo = os.path.dirname(EXAMPLES)
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
+    for attempt in range(2):
+        done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
+        # A port picked by torchrun can be taken by another job before the ranks bind it: retry once.
+        if done.returncode == 0 or "address already in use" not in done.stderr.lower():
+            break
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 
