@@ -128,6 +128,11 @@ def test_smoke_run_writes_sane_metrics_and_a_plot(uninterrupted):
     assert history["eval_steps"] == [0, 3, 6]
     assert (out_dir / "training.png").stat().st_size > 1000
     assert "zero-shot accuracy" in stdout
+    # Stochastic rounding with the same bits on every rank keeps the replicas identical.
+    states = [torch.load(out_dir / "checkpoint" / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert any(t.dtype == torch.bfloat16 for t in states[0]["model"].values())
+    _assert_bitwise_equal(states[0]["model"], states[1]["model"], "model")
+    _assert_bitwise_equal(states[0]["optimizers"], states[1]["optimizers"], "optimizers")
 
 
 def test_interrupted_and_resumed_run_matches_the_uninterrupted_one_bitwise(uninterrupted, tmp_path):
