@@ -207,8 +207,8 @@ def train(args: argparse.Namespace, ranks: Ranks, out_dir: str, label: str = "",
         if progress is not None:
             seconds = time.perf_counter() - loop_started
             progress.update(1)
-            progress.set_postfix(loss=f"{history['loss'][-1]:.3f}",
-                                 samples_s=f"{(step + 1 - start_step) * args.batch_size / seconds:.0f}")
+            progress.set_postfix({"loss": f"{history['loss'][-1]:.3f}",
+                                  "samples/s": f"{(step + 1 - start_step) * args.batch_size / seconds:.0f}"})
     train_seconds = time.perf_counter() - loop_started
     if progress is not None:
         progress.close()
@@ -218,44 +218,25 @@ def train(args: argparse.Namespace, ranks: Ranks, out_dir: str, label: str = "",
             print(f"stopped after step {stop} of {args.steps}; continue with --resume --out {out_dir}")
         return None
 
-    # Peak memory of one loss call (forward + backward) on this rank's shard of the last batch, for
-    # clipshard's loss and (when open_clip is installed) open_clip's.
-    images, token_ids, _ = rank_batch(data, args.batch_size, args.seed, args.steps - 1, ranks.rank, ranks.world_size)
-    with torch.no_grad():
-        image_features, text_features, scale = model(images, token_ids)
-    loss_memory = {}
-    for name in LOSSES:
-        try:
-            measured = make_loss(name, ranks)
-        except ImportError:
-            if name == args.loss:
-                raise
-            continue
-        loss_memory[name] = ranks.gather(peak_loss_memory(measured, image_features, text_features, scale))
+    loss_memory = _loss_memory_per_rank(args, ranks, model, data)
     evaluate(args.steps)
     if ranks.rank != 0:
         return None
-    text_params = list(model.text.parameters())
-    image_params = [p for p in model.parameters() if all(p is not q for q in text_params)]
-    bytes_text = optimizer_bytes_per_param(text_params, optimizers["text"])
-    bytes_image = optimizer_bytes_per_param(image_params, optimizers["image"])
-    count_text, count_image = sum(p.numel() for p in text_params), sum(p.numel() for p in image_params)
     steps_run = stop - start_step
+    n_text, n_all = sum(p.numel() for p in model.text.parameters()), sum(p.numel() for p in model.parameters())
     return {
         "zero_shot_accuracy": history["accuracy"][-1],
         "peak_loss_memory_bytes": max(loss_memory[args.loss]),  # the largest over ranks
         "peak_loss_memory_bytes_by_loss": {name: max(per_rank) for name, per_rank in loss_memory.items()},
         "peak_loss_memory_bytes_per_rank": loss_memory,
-        "optimizer_bytes_per_param": (bytes_text * count_text + bytes_image * count_image) / (count_text + count_image),
-        "optimizer_bytes_per_param_text": bytes_text,
-        "optimizer_bytes_per_param_image": bytes_image,
+        **_optimizer_bytes_per_param(model, optimizers),
         "wall_seconds": time.perf_counter() - started,
         "train_seconds": train_seconds,
         "samples_per_second": steps_run * args.batch_size / train_seconds if steps_run else 0.0,
         "final_loss": history["loss"][-1],
         "loss_last_50_steps": sum(history["loss"][-50:]) / len(history["loss"][-50:]),
         "loss_floor": contrastive_loss_floor(data, args.batch_size, args.seed, args.steps),
-        "parameters": {"text": count_text, "image": count_image},
+        "parameters": {"text": n_text, "image_and_logit_scale": n_all - n_text},
         "num_train_images": len(data.train_labels),
         "num_test_images": len(data.test_labels),
         "local_batch_size": local_batch,
@@ -266,6 +247,36 @@ def train(args: argparse.Namespace, ranks: Ranks, out_dir: str, label: str = "",
         "config": config,
         "history": history,
     }
+
+
+def _loss_memory_per_rank(args, ranks: Ranks, model, data) -> dict[str, list[int]]:
+    """Peak memory of one loss call (forward + backward) on each rank's shard of the last batch, for
+    clipshard's loss and (when open_clip is installed) open_clip's."""
+    images, token_ids, _ = rank_batch(data, args.batch_size, args.seed, args.steps - 1, ranks.rank, ranks.world_size)
+    with torch.no_grad():
+        image_features, text_features, scale = model(images, token_ids)
+    per_rank = {}
+    for name in LOSSES:
+        try:
+            loss_fn = make_loss(name, ranks)
+        except ImportError:
+            if name == args.loss:
+                raise
+            continue
+        per_rank[name] = ranks.gather(peak_loss_memory(loss_fn, image_features, text_features, scale))
+    return per_rank
+
+
+def _optimizer_bytes_per_param(model, optimizers: dict) -> dict[str, float]:
+    """Weights + optimizer states per parameter: each tower, and both together."""
+    text = list(model.text.parameters())
+    image = [p for p in model.parameters() if all(p is not q for q in text)]
+    per_text = optimizer_bytes_per_param(text, optimizers["text"])
+    per_image = optimizer_bytes_per_param(image, optimizers["image"])
+    n_text, n_image = sum(p.numel() for p in text), sum(p.numel() for p in image)
+    return {"optimizer_bytes_per_param": (per_text * n_text + per_image * n_image) / (n_text + n_image),
+            "optimizer_bytes_per_param_text": per_text,
+            "optimizer_bytes_per_param_image": per_image}
 
 
 def _progress_bar(enabled: bool, total: int, initial: int, label: str):
