@@ -10,7 +10,9 @@ inputs:
     state to their worker threads, so per-thread scratch tiles are included). Memory that BLAS
     allocates internally is not a tensor and is not counted, for any of the three implementations.
 Forward memory is taken with the inputs requiring grad (what a training step keeps for the
-backward); forward + backward memory includes the returned feature gradients.
+backward); forward + backward memory includes the returned feature gradients. On CUDA with 16-bit
+features, `clipshard_tc` is the fused loss with the tensor-core path switched on
+(clipshard.fused_op.TENSOR_CORES, off by default).
 
     python benchmarks/bench_loss.py --device cpu --json bench_results/loss_cpu.json
 """
@@ -37,8 +39,21 @@ def naive_loss(image_features, text_features, logit_scale):
     return (ce(logits, labels) + ce(logits.T, labels)) / 2
 
 
-def implementations():
+def with_tensor_cores(loss_fn):
+    """The same loss with the CUDA tensor-core path switched on for the call (fp16/bf16 only)."""
+    def run(*args):
+        saved, clipshard.fused_op.TENSOR_CORES = clipshard.fused_op.TENSOR_CORES, True
+        try:
+            return loss_fn(*args)
+        finally:
+            clipshard.fused_op.TENSOR_CORES = saved
+    return run
+
+
+def implementations(device, dtype_name):
     impls = {"clipshard": clipshard.clip_loss, "naive": naive_loss}
+    if device == "cuda" and dtype_name in ("bfloat16", "float16"):
+        impls["clipshard_tc"] = with_tensor_cores(clipshard.clip_loss)
     try:
         from open_clip.loss import ClipLoss
 
@@ -77,7 +92,7 @@ def time_call(fn, device, repeats):
         fn()
         sync(device)
         times.append(time.perf_counter() - start)
-    q = statistics.quantiles(times, n=5) if len(times) > 1 else [times[0]] * 4
+    q = statistics.quantiles(times, n=5, method="inclusive") if len(times) > 1 else [times[0]] * 4
     return {"median_s": statistics.median(times), "p20_s": q[0], "p80_s": q[3]}
 
 
@@ -119,18 +134,18 @@ def main():
     parser.add_argument("--dim", type=int, default=None, help="feature size D (default 512 on CPU, 768 on CUDA)")
     parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--scale", type=float, default=14.3, help="logit scale (already exponentiated)")
-    parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default 5 on CPU, 20 on CUDA)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats (default 5 on CPU, 10 on CUDA)")
     args = parser.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_loss: --device cuda but no CUDA device is available")
     sizes = args.sizes or DEFAULT_SIZES[args.device]
     dim = args.dim or (512 if args.device == "cpu" else 768)
     dtypes = args.dtypes or DEFAULT_DTYPES[args.device]
-    repeats = args.repeats or (5 if args.device == "cpu" else 20)
-    impls = implementations()
+    repeats = args.repeats or (5 if args.device == "cpu" else 10)
 
     rows = []
     for dtype_name in dtypes:
+        impls = implementations(args.device, dtype_name)
         for batch in sizes:
             inputs = make_inputs(batch, dim, getattr(torch, dtype_name), args.device, args.scale)
             for mode, backward in (("forward", False), ("forward+backward", True)):

@@ -2,8 +2,10 @@
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
-from clipshard.rounding import stochastic_round, stochastic_round_  # noqa: F401
+from clipshard import optim  # noqa: F401  (clipshard.optim.AdamW, to_half_precision_)
+from clipshard.fused_op import contrastive_lse
+from clipshard.loss import ClipLoss, clip_loss
+from clipshard.rounding import stochastic_round, stochastic_round_
 
 __version__ = "0.1.0"
-from clipshard.fused_op import contrastive_lse  # noqa: E402,F401
-from clipshard.loss import ClipLoss, clip_loss  # noqa: E402,F401
+__all__ = ["ClipLoss", "clip_loss", "contrastive_lse", "optim", "stochastic_round", "stochastic_round_"]

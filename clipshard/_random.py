@@ -7,6 +7,10 @@ torch.Generator, so that torch.manual_seed makes runs reproducible and every cal
 import torch
 
 _INT64_SPAN = 1 << 64
+# torch's own CUDA random ops key Philox with the generator's seed and put the thread index in the
+# counter's high word; ours puts the generator offset there. XOR-ing our key with this constant
+# keeps the two streams apart, so stochastic rounding never reuses the words of, say, dropout.
+_CUDA_KEY_SALT = 0x636C697073686172  # "clipshar"
 
 
 def as_int64(value: int) -> int:
@@ -18,8 +22,8 @@ def as_int64(value: int) -> int:
 def draw_seed_offset(device: torch.device, generator: torch.Generator | None = None) -> tuple[int, int]:
     """A fresh (seed, offset) pair, both as int64 bit patterns.
 
-    CUDA: seed = the generator's seed and offset = its Philox offset, which we then advance; both
-    live on the host, so there is no host-device synchronisation. CPU: two 64-bit words drawn from
+    CUDA: seed = the generator's seed (salted, see _CUDA_KEY_SALT) and offset = its Philox offset,
+    which we then advance; both live on the host, so there is no host-device synchronisation. CPU: two 64-bit words drawn from
     the (Mersenne Twister) generator.
     """
     device = torch.device(device)
@@ -29,7 +33,7 @@ def draw_seed_offset(device: torch.device, generator: torch.Generator | None = N
             generator = torch.cuda.default_generators[index]
         offset = generator.get_offset()
         generator.set_offset(offset + 4)  # torch keeps CUDA offsets a multiple of 4
-        return as_int64(generator.initial_seed()), as_int64(offset)
+        return as_int64(generator.initial_seed() ^ _CUDA_KEY_SALT), as_int64(offset)
     words = torch.randint(-(1 << 63), (1 << 63) - 1, (2,), dtype=torch.int64, generator=generator)
     seed, offset = words.tolist()
     return seed, offset

@@ -107,6 +107,8 @@ def stochastic_round_reference(x: torch.Tensor, words, dtype, saturate: bool = F
     out = np.where(np.isnan(v), np.nan, out)
     return torch.from_numpy(out).to(dtype).reshape(x.shape)
 
+
+# ---------------------------------------------------------------------------------------------
 # Distributed: open_clip's per-rank semantics (used by tests/test_distributed.py)
 # ---------------------------------------------------------------------------------------------
 
@@ -158,3 +160,68 @@ def clip_loss_rank_reference(image_features, text_features, logit_scale, logit_b
     d_scalars = torch.autograd.grad(upstream[rank] * loss, scalars)
     d_bias = d_scalars[1] if bias is not None else None
     return loss.detach(), block(d_image, rank), block(d_text, rank), d_scalars[0], d_bias
+
+
+# --- Half-precision AdamW (clipshard.optim.AdamW) -------------------------------------------------
+
+def adamw_step_reference(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
+                         maximize=False):
+    """One torch.optim.AdamW step in fp64 (decoupled weight decay, bias correction). Takes the
+    decoded values (second moment as v, whatever its storage) and returns the exact fp64
+    (param, exp_avg, exp_avg_sq) before any rounding to storage."""
+    p, g, m, v = (t.double() for t in (param, grad, exp_avg, exp_avg_sq))
+    if maximize:
+        g = -g
+    p = p * (1 - lr * weight_decay)
+    m = m + (1 - beta1) * (g - m)
+    v = v * beta2 + (1 - beta2) * g * g
+    denom = v.sqrt() / (1 - beta2 ** step) ** 0.5 + eps
+    p = p - lr / (1 - beta1 ** step) * m / denom
+    return p, m, v
+
+
+def _next_16bit(y, up):
+    """The fp16/bf16 value next to each finite y (same dtype), towards +inf when up, else -inf."""
+    bits = y.view(torch.int16).to(torch.int32) & 0xFFFF
+    sign, magnitude = bits >> 15, bits & 0x7FFF
+    away_from_zero = (sign == 0) == up
+    new_magnitude = torch.where(magnitude == 0, 1, torch.where(away_from_zero, magnitude + 1, magnitude - 1))
+    new_sign = torch.where(magnitude == 0, 0 if up else 1, sign)
+    return ((new_sign << 15) | new_magnitude).to(torch.int16).view(y.dtype)
+
+
+def half_neighbours(x, dtype):
+    """(lo, hi): the two values of `dtype` around each finite fp64 value x, lo <= x <= hi (equal
+    when x is representable). Used to check stochastic rounding results."""
+    x = x.double()
+    y = x.to(dtype)
+    yd = y.double()
+    lo = torch.where(yd <= x, y, _next_16bit(y, up=False))
+    hi = torch.where(yd >= x, y, _next_16bit(y, up=True))
+    return lo, hi
+
+
+# --- A training problem for clipshard.optim.AdamW: the stall that stochastic rounding prevents ----
+
+def stall_regression(param_dtype, stochastic_rounding, steps=400, lr=1e-3, device="cpu"):
+    """Least-squares regression (256 samples, 64 weights initialised at 1.0, targets from weights
+    1 + 0.1 * N(0, 1)) trained with clipshard.optim.AdamW (no weight decay; rounding bits from a
+    generator seeded with 4). Adam moves each weight by about lr per step: with lr 1e-3 that is below
+    half an ulp of bf16 at 1.0 (2^-8), so round to nearest never moves a bf16 weight while
+    stochastic rounding follows fp32 training. Returns (the loss before each step, final weights)."""
+    from clipshard.optim import AdamW  # here, not at the top: clipshard.optim may import this module
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(256, 64, generator=gen).to(device)
+    y = x @ (1.0 + 0.1 * torch.randn(64, generator=gen)).to(device)
+    w = torch.ones(64, dtype=param_dtype, device=device, requires_grad=True)
+    opt = AdamW([w], lr=lr, weight_decay=0.0, stochastic_rounding=stochastic_rounding,
+                generator=torch.Generator(device=device).manual_seed(4))
+    losses = []
+    for _ in range(steps):
+        loss = ((x @ w.float() - y) ** 2).mean()
+        losses.append(loss.item())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return losses, w.detach()

@@ -15,9 +15,20 @@ TORCH_LIBRARY(clipshard, m) {
   // are the Philox key and counter high word, passed as int64 bit patterns of uint64 values.
   m.def("stochastic_round(Tensor src, ScalarType dtype, int seed, int offset, bool saturate) -> Tensor");
   m.def("stochastic_round_into(Tensor(a!) dst, Tensor src, int seed, int offset, bool saturate) -> ()");
-  // Test helper: the first n random words of the stream above as int32 (CPU tensor), word i being
-  // word (i mod 4) of Philox4x32-10(key = seed, counter = (i div 4, offset)).
-  m.def("philox_words(int seed, int offset, int n) -> Tensor");
+  // Test helper: n random words of the stream above as int32 (CPU tensor), starting at block
+  // first_block: word i is word (i mod 4) of Philox4x32-10(key = seed, counter = (first_block +
+  // i div 4, offset)), from the CPU kernel's batch generator (source="kernel"), from philox_block
+  // of the shared header ("header", what the CUDA kernel uses) or from ATen's at::Philox4_32 ("aten").
+  m.def("philox_words(int seed, int offset, int n, int first_block=0, str source=\"kernel\") -> Tensor");
+
+  // One AdamW step over lists of tensors sharing a device, a param dtype (fp32/fp16/bf16) and a state
+  // dtype (docs/optimizer.md). Updates params, exp_avgs and exp_avg_sqs in place; steps[i] is the
+  // step being taken for tensor i (>= 1). fp16 exp_avg_sqs hold v^(1/4). 16-bit outputs are rounded
+  // stochastically with Philox(seed, offset), one stream per (tensor, role), or to nearest even.
+  m.def(
+      "adamw_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
+      "int[] steps, float lr, float beta1, float beta2, float eps, float weight_decay, bool maximize, "
+      "bool stochastic_rounding, int seed, int offset) -> ()");
 
   // Fused similarity + online log-sum-exp (docs/fused_loss.md). S = scale * rows @ cols^T (+ bias).
   // Forward: row_lse[i] = logsumexp_j S[i, j]; pos_logit[i] = S[i, pos_offset + i]; col_lse[j] =

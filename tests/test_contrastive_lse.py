@@ -96,6 +96,47 @@ def test_several_column_super_blocks():
     run_case(torch.float32, 200, 1500, 2048, 1300, 14.3, True, True)
 
 
+def compare_with_reference(rows, cols, scale, bias, pos_offset, out_tol, grad_tol):
+    """Values and gradients (random upstream gradients) of the op vs the fp64 reference."""
+    leaves = [x.detach().clone().requires_grad_() for x in (rows, cols, scale, bias)]
+    out = contrastive_lse(*leaves, pos_offset)
+    ref_leaves = [x.detach().double().requires_grad_() for x in (rows, cols, scale, bias)]
+    ref = contrastive_lse_reference(*ref_leaves, pos_offset)
+    upstream = [torch.randn(o.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+                for i, o in enumerate(out)]
+    for o, r in zip(out, ref):
+        assert_close(o, r, out_tol, "output")
+    grads = torch.autograd.grad(out, leaves, [u.to(o.dtype) for o, u in zip(out, upstream)])
+    ref_grads = torch.autograd.grad(ref, ref_leaves, upstream)
+    for g, rg in zip(grads[:2], ref_grads[:2]):
+        assert_close(g, rg, grad_tol, "feature grad")
+    total = sum(u.abs().sum().item() for u in upstream)
+    for g, rg in zip(grads[2:], ref_grads[2:]):
+        assert_close(g, rg, out_tol * total / max(1.0, rg.abs().item()), "scale/bias grad")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_narrow_and_wide_tiles_in_one_row(dtype):
+    # Column tiles alternate between tiny logits (one-exponential path) and huge ones (two-exponential
+    # path), so every row merges partial sums of both kinds; rows 0..199 span two row blocks.
+    rows = features(200, 24, dtype, seed=30)
+    cols = features(1100, 24, dtype, seed=31)
+    cols[512:1024] *= 30
+    s, b = torch.tensor(14.3, dtype=dtype), torch.tensor(0.5, dtype=dtype)
+    compare_with_reference(rows, cols, s, b, 900, OUT_TOL[dtype], 1e-12 if dtype == torch.float64 else 1e-4)
+
+
+def test_non_contiguous_inputs():
+    base_rows = features(40, 30, torch.float32, seed=32)
+    base_cols = features(33, 120, torch.float32, seed=33)
+    rows = base_rows[::2, ::3]  # 20 x 10, strided
+    cols = base_cols[:, ::12][:30]  # 30 x 10, strided
+    assert not rows.is_contiguous() and not cols.is_contiguous()
+    s, b = torch.tensor(9.0), torch.tensor(-0.25)
+    compare_with_reference(rows, cols, s, b, 4, OUT_TOL[torch.float32], GRAD_TOL[torch.float32])
+    compare_with_reference(rows.T.contiguous().T, cols, s, b, 4, OUT_TOL[torch.float32], GRAD_TOL[torch.float32])
+
+
 def test_only_some_outputs_used():
     rows = features(70, 9, torch.float64, seed=4).requires_grad_()
     cols = features(90, 9, torch.float64, seed=5).requires_grad_()
@@ -123,7 +164,7 @@ def test_gradcheck():
 
 
 def test_opcheck():
-    rows, cols = features(130, 6, torch.float32, seed=8), features(200, 6, torch.float32, seed=9)
+    rows, cols = features(20, 6, torch.float32, seed=8), features(45, 6, torch.float32, seed=9)
     s, b = torch.tensor(14.3), torch.tensor(-1.0)
     fwd, bwd = OPS.contrastive_lse_forward.default, OPS.contrastive_lse_backward.default
     torch.library.opcheck(fwd, (rows, cols, s, None, 3, True, False, False))
@@ -131,7 +172,7 @@ def test_opcheck():
     torch.library.opcheck(fwd, (rows.clone().requires_grad_(), cols.clone().requires_grad_(),
                                 s.clone().requires_grad_(), b.clone().requires_grad_(), 3, True, False, False))
     row_lse, _, col_lse = OPS.contrastive_lse_forward(rows, cols, s, b, 3, True, False, False)
-    g = torch.randn(130), torch.randn(130), torch.randn(200)
+    g = torch.randn(20), torch.randn(20), torch.randn(45)
     torch.library.opcheck(bwd, (*g, rows, cols, s, b, 3, row_lse, col_lse, False, False, True))
     torch.library.opcheck(bwd, (g[0], g[1], None, rows, cols, s, None, 3, row_lse, None, False, False, False))
 
@@ -183,6 +224,20 @@ def test_nan_propagates():
         rows_g = rows.clone().requires_grad_()
         contrastive_lse(rows_g, cols, scale, pos_offset=1)[0].sum().backward()
         assert torch.isnan(rows_g.grad[5]).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=str)
+def test_infinite_feature_matches_torch(dtype):
+    # Row 3 holds +inf: its logits are +-inf. The other row block has logits near 1000, so the
+    # partial column sums merged with row 3's infinite ones sit far apart.
+    rows = features(200, 6, dtype, seed=34) * 70
+    cols = features(300, 6, dtype, seed=35)
+    rows[3, 0] = math.inf
+    out = contrastive_lse(rows, cols, 14.3, pos_offset=50)
+    ref = contrastive_lse_reference(rows, cols, torch.tensor(14.3, dtype=dtype), None, 50)
+    for o, r in zip(out, ref):
+        torch.testing.assert_close(o.double(), r, rtol=1e-5, atol=1e-3, equal_nan=True)
+    assert math.isinf(out[0][3]) and torch.isinf(out[2]).any()
 
 
 def test_infinite_bias():

@@ -40,6 +40,10 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 template <typename acc_t>
 acc_t finite_or_zero(acc_t x) { return std::isfinite(x) ? x : acc_t(0); }
 
+// sum * exp(shift) with shift <= 0, keeping an infinite sum infinite (exp may underflow to 0).
+template <typename acc_t>
+acc_t rescale(acc_t sum, acc_t shift) { return std::isinf(sum) ? sum : sum * std::exp(shift); }
+
 // A log-sum-exp kept as (ref, sum) with lse = ref + log(sum). `ref` starts at -inf (empty) and is
 // always finite afterwards; Inf and NaN logits travel through `sum` (Inf or NaN), so they propagate.
 template <typename acc_t>
@@ -50,7 +54,7 @@ void lse_merge(acc_t& ref, acc_t& sum, acc_t ref2, acc_t sum2) {
     return;
   }
   const acc_t m = std::max(ref, ref2);
-  sum = sum * std::exp(ref - m) + sum2 * std::exp(ref2 - m);
+  sum = rescale(sum, ref - m) + rescale(sum2, ref2 - m);
   ref = m;
 }
 

@@ -4,11 +4,15 @@
 #include <ATen/ATen.h>
 #include <ATen/MemoryOverlap.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/PhiloxRNGEngine.h>
 #include <torch/library.h>
+
+#include <algorithm>
 
 #include "clipshard/philox.h"
 #include "clipshard/stochastic_rounding.h"
 #include "clipshard/stochastic_round_checks.h"
+#include "philox_batch.h"
 
 namespace clipshard {
 namespace {
@@ -22,32 +26,73 @@ __attribute__((always_inline)) inline uint16_t round_bits(uint32_t bits, uint32_
 }
 
 // Rounds the elements of Philox blocks [begin, end) of a contiguous tensor; element i uses word
-// i % 4 of philox_block(seed, offset, i / 4). Inlined into each instruction-set clone below.
-template <bool kBf16, bool kSaturate>
+// i % 4 of philox_block(seed, offset, i / 4). The words of a batch of blocks are generated first
+// (`batch`, one of philox_batch.h's generators) and consumed by a second loop, simple enough for
+// the compiler to vectorise. Inlined into each instruction-set version below.
+template <bool kBf16, bool kSaturate, typename Batch>
 __attribute__((always_inline)) inline void round_blocks(const uint32_t* src, uint16_t* dst, int64_t begin,
-                                                        int64_t end, uint64_t seed, uint64_t offset) {
-  for (int64_t b = begin; b < end; ++b) {
-    const PhiloxWords words = philox_block(seed, offset, static_cast<uint64_t>(b));
-    for (int j = 0; j < 4; ++j) {
-      dst[4 * b + j] = round_bits<kBf16, kSaturate>(src[4 * b + j], words.w[j]);
-    }
+                                                        int64_t end, uint64_t seed, uint64_t offset, Batch batch) {
+  uint32_t random[4 * kPhiloxBatchBlocks];
+  for (int64_t first = begin; first < end; first += kPhiloxBatchBlocks) {
+    batch(seed, offset, static_cast<uint64_t>(first), random);
+    const int64_t n = 4 * std::min(kPhiloxBatchBlocks, end - first);
+    const uint32_t* in = src + 4 * first;
+    uint16_t* out = dst + 4 * first;
+    for (int64_t i = 0; i < n; ++i) out[i] = round_bits<kBf16, kSaturate>(in[i], random[i]);
   }
 }
 
-// One function, compiled for AVX2 and for the baseline x86-64 and picked at load time: the
-// rounding rule's variable shifts and compares vectorise only with AVX2.
+#define CLIPSHARD_ROUND_BLOCKS_SWITCH(BATCH)                                         \
+  if (bf16) {                                                                        \
+    saturate ? round_blocks<true, true>(src, dst, begin, end, seed, offset, BATCH)   \
+             : round_blocks<true, false>(src, dst, begin, end, seed, offset, BATCH); \
+  } else {                                                                           \
+    saturate ? round_blocks<false, true>(src, dst, begin, end, seed, offset, BATCH)  \
+             : round_blocks<false, false>(src, dst, begin, end, seed, offset, BATCH); \
+  }
+
+// Compiled for AVX2 and for baseline x86-64, picked at load time: the Philox multiplies and the
+// rule's variable shifts vectorise well only from AVX2 on.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 __attribute__((target_clones("avx2", "default")))
 #endif
-void round_blocks_dispatch(const uint32_t* src, uint16_t* dst, int64_t begin, int64_t end,
-                           uint64_t seed, uint64_t offset, bool bf16, bool saturate) {
-  if (bf16) {
-    saturate ? round_blocks<true, true>(src, dst, begin, end, seed, offset)
-             : round_blocks<true, false>(src, dst, begin, end, seed, offset);
-  } else {
-    saturate ? round_blocks<false, true>(src, dst, begin, end, seed, offset)
-             : round_blocks<false, false>(src, dst, begin, end, seed, offset);
-  }
+void round_blocks_portable(const uint32_t* src, uint16_t* dst, int64_t begin, int64_t end, uint64_t seed,
+                           uint64_t offset, bool bf16, bool saturate) {
+  const auto batch = [](uint64_t s, uint64_t o, uint64_t f, uint32_t* r) { philox_batch_portable(s, o, f, r); };
+  CLIPSHARD_ROUND_BLOCKS_SWITCH(batch)
+}
+
+#if CLIPSHARD_PHILOX_AVX512
+// One call per batch of 64 blocks: an out-of-line AVX-512 function, so that callers need not be.
+__attribute__((target("avx512f"), noinline)) void philox_words_avx512(uint64_t seed, uint64_t offset,
+                                                                      uint64_t first, uint32_t* random) {
+  philox_batch_avx512(seed, offset, first, random);
+}
+
+__attribute__((target("avx512f"))) void round_blocks_avx512(const uint32_t* src, uint16_t* dst, int64_t begin,
+                                                            int64_t end, uint64_t seed, uint64_t offset, bool bf16,
+                                                            bool saturate) {
+  const auto batch = [](uint64_t s, uint64_t o, uint64_t f, uint32_t* r) { philox_words_avx512(s, o, f, r); };
+  CLIPSHARD_ROUND_BLOCKS_SWITCH(batch)
+}
+#endif
+#undef CLIPSHARD_ROUND_BLOCKS_SWITCH
+
+bool use_avx512() {
+#if CLIPSHARD_PHILOX_AVX512
+  static const bool available = __builtin_cpu_supports("avx512f");
+  return available;
+#else
+  return false;
+#endif
+}
+
+void round_blocks_dispatch(const uint32_t* src, uint16_t* dst, int64_t begin, int64_t end, uint64_t seed,
+                           uint64_t offset, bool bf16, bool saturate) {
+#if CLIPSHARD_PHILOX_AVX512
+  if (use_avx512()) return round_blocks_avx512(src, dst, begin, end, seed, offset, bf16, saturate);
+#endif
+  round_blocks_portable(src, dst, begin, end, seed, offset, bf16, saturate);
 }
 
 // Rounds a contiguous fp32 tensor into a contiguous 16-bit tensor of the same size.
@@ -95,13 +140,37 @@ void stochastic_round_into_cpu(at::Tensor& dst, const at::Tensor& src, int64_t s
   dst.copy_(buffer);
 }
 
-at::Tensor philox_words(int64_t seed, int64_t offset, int64_t n) {
+at::Tensor philox_words(int64_t seed, int64_t offset, int64_t n, int64_t first_block, c10::string_view source) {
   TORCH_CHECK(n >= 0, "clipshard::philox_words: n must be >= 0, got ", n);
+  TORCH_CHECK(source == "kernel" || source == "header" || source == "aten",
+              "clipshard::philox_words: source must be 'kernel', 'header' or 'aten', got '", source, "'");
   at::Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kInt));
   auto* words = static_cast<uint32_t*>(out.mutable_data_ptr());
+  const auto key = static_cast<uint64_t>(seed), high = static_cast<uint64_t>(offset);
+  const auto first = static_cast<uint64_t>(first_block);
+  uint32_t random[4 * kPhiloxBatchBlocks];
   for (int64_t i = 0; i < n; ++i) {
-    words[i] = philox_block(static_cast<uint64_t>(seed), static_cast<uint64_t>(offset),
-                            static_cast<uint64_t>(i / 4)).w[i % 4];
+    const uint64_t block = first + static_cast<uint64_t>(i / 4);
+    if (source == "aten") {
+      at::Philox4_32 engine(key, /*subsequence=*/high, /*offset=*/block);
+      for (int64_t j = 0; j < i % 4; ++j) engine();
+      words[i] = engine();
+    } else if (source == "header") {
+      words[i] = philox_block(key, high, block).w[i % 4];
+    } else {  // the batch generator the CPU rounding kernel uses on this machine
+      const int64_t in_batch = i % (4 * kPhiloxBatchBlocks);
+      if (in_batch == 0) {
+#if CLIPSHARD_PHILOX_AVX512
+        if (use_avx512()) {
+          philox_words_avx512(key, high, block, random);
+        } else
+#endif
+        {
+          philox_batch_portable(key, high, block, random);
+        }
+      }
+      words[i] = random[in_batch];
+    }
   }
   return out;
 }

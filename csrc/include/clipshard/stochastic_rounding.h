@@ -14,43 +14,42 @@
 
 namespace clipshard {
 
-// True when a k-bit dropped value d (0 <= d < 2^k) rounds up for random word r.
-CLIPSHARD_HOST_DEVICE bool sr_round_up(uint32_t r, uint64_t d, uint32_t k) {
-  if (k <= 32) {
-    const uint64_t mask = (k == 32) ? 0xffffffffull : ((1ull << k) - 1ull);
-    return (static_cast<uint64_t>(r) & mask) < d;
-  }
-  const uint32_t shift = k - 32;
-  const uint64_t top = shift >= 64 ? 0ull : (d >> shift);
-  return static_cast<uint64_t>(r) < top;
+// True when a k-bit dropped value d (0 <= d < 2^k, and d < 2^24 in every use) rounds up for
+// random word r: (r mod 2^k) < d for k < 32, else r < d >> (k - 32), the top 32 bits of d (0 once
+// k >= 56). One 32-bit compare, every shift count below 32, no branches: CPU loops vectorise.
+CLIPSHARD_HOST_DEVICE bool sr_round_up(uint32_t r, uint32_t d, uint32_t k) {
+  const uint32_t mask = k < 32u ? (1u << (k < 32u ? k : 0u)) - 1u : 0xffffffffu;
+  const uint32_t shift = k <= 32u ? 0u : (k - 32u < 31u ? k - 32u : 31u);
+  return (r & mask) < (d >> shift);
 }
 
-// fp32 bits -> fp16 bits.
+// fp32 bits -> fp16 bits. Written as selects rather than early returns so that CPU loops over it
+// vectorise; every candidate below is cheap and free of undefined behaviour.
 CLIPSHARD_HOST_DEVICE uint16_t sr_float_to_half_bits(uint32_t bits, uint32_t r, bool saturate) {
   const uint32_t sign16 = (bits >> 16) & 0x8000u;
   const uint32_t mag = bits & 0x7fffffffu;
   const uint32_t kHalfInf = 0x7c00u, kHalfMax = 0x7bffu;
-  if (mag > 0x7f800000u) {  // NaN: quiet NaN, keep sign and the top payload bits
-    return static_cast<uint16_t>(sign16 | kHalfInf | 0x0200u | ((mag >> 13) & 0x03ffu));
-  }
-  if (mag >= 0x47800000u) {  // |x| >= 65536 (the grid point past 65504), or Inf
-    return static_cast<uint16_t>(sign16 | (saturate ? kHalfMax : kHalfInf));
-  }
-  uint32_t out;
-  if (mag >= 0x38800000u) {  // |x| >= 2^-14: fp16 normal range, drop 13 bits
-    out = (mag - 0x38000000u) >> 13;  // rebias exponent 127 -> 15, keep top 10 mantissa bits
-    out += sr_round_up(r, mag & 0x1fffu, 13) ? 1u : 0u;  // may carry into the exponent / Inf
-  } else {  // fp16 subnormal range: grid spacing 2^-24
-    const uint32_t exp32 = mag >> 23;
-    // value = sig * 2^(exp32 - 150), with the implicit bit for fp32 normals; fp32 subnormals
-    // (exp32 == 0) have value = mant * 2^-149.
-    const uint32_t sig = exp32 ? ((mag & 0x7fffffu) | 0x800000u) : (mag & 0x7fffffu);
-    const uint32_t k = exp32 ? (126u - exp32) : 125u;  // dropped bits: value / 2^-24 = sig >> k
-    const uint32_t kept = k >= 32 ? 0u : (sig >> k);
-    const uint64_t dropped = k >= 32 ? sig : (sig & ((1u << k) - 1u));
-    out = kept + (sr_round_up(r, dropped, k) ? 1u : 0u);  // 1024 is the smallest normal: exact
-  }
-  if (saturate && out > kHalfMax) out = kHalfMax;
+  // fp16 normal range, |x| >= 2^-14: rebias the exponent 127 -> 15, keep the top 10 mantissa bits,
+  // drop 13. A carry moves to the next binade, past 65504 to Inf.
+  const uint32_t normal = ((mag - 0x38000000u) >> 13) + (sr_round_up(r, mag & 0x1fffu, 13) ? 1u : 0u);
+  // fp16 subnormal range, grid spacing 2^-24: |x| = sig * 2^(exp32 - 150) with the implicit bit for
+  // fp32 normals, mant * 2^-149 for fp32 subnormals (exp32 == 0); so |x| / 2^-24 = sig / 2^k with
+  // k = 126 - exp32 (125) dropped bits, k >= 14. A carry out of 1023 gives 1024, the smallest normal.
+  const uint32_t exp32 = mag >> 23;
+  const uint32_t sig = (mag & 0x7fffffu) | (exp32 ? 0x800000u : 0u);
+  const uint32_t scale_exp = exp32 ? (exp32 < 112u ? exp32 : 112u) : 1u;  // fp32 subnormals: as 1
+  const uint32_t k = 126u - scale_exp;  // (k = 14 on lanes in the normal range, unused there)
+  const uint32_t shift = k < 31u ? k : 31u;  // sig < 2^24, so shifting by 31 instead of k >= 31 is exact
+  const uint32_t kept = sig >> shift;
+  const uint32_t dropped = sig & ((1u << shift) - 1u);
+  const uint32_t subnormal = kept + (sr_round_up(r, dropped, k) ? 1u : 0u);
+
+  uint32_t out = mag >= 0x38800000u ? normal : subnormal;
+  out = (saturate && out > kHalfMax) ? kHalfMax : out;
+  // |x| >= 65536 (the grid point after 65504) or Inf: Inf, or the largest finite when saturating.
+  out = mag >= 0x47800000u ? (saturate ? kHalfMax : kHalfInf) : out;
+  // NaN: a quiet NaN keeping the sign and the top payload bits.
+  out = mag > 0x7f800000u ? (kHalfInf | 0x0200u | ((mag >> 13) & 0x03ffu)) : out;
   return static_cast<uint16_t>(sign16 | out);
 }
 
@@ -59,15 +58,11 @@ CLIPSHARD_HOST_DEVICE uint16_t sr_float_to_bfloat16_bits(uint32_t bits, uint32_t
   const uint32_t sign16 = (bits >> 16) & 0x8000u;
   const uint32_t mag = bits & 0x7fffffffu;
   const uint32_t kBf16Inf = 0x7f80u, kBf16Max = 0x7f7fu;
-  if (mag > 0x7f800000u) {  // NaN: quiet, keep sign and top payload bits (never becomes Inf)
-    return static_cast<uint16_t>(sign16 | kBf16Inf | 0x0040u | ((mag >> 16) & 0x007fu));
-  }
-  if (mag == 0x7f800000u) {
-    return static_cast<uint16_t>(sign16 | (saturate ? kBf16Max : kBf16Inf));
-  }
-  uint32_t out = mag >> 16;
-  out += sr_round_up(r, mag & 0xffffu, 16) ? 1u : 0u;
-  if (saturate && out > kBf16Max) out = kBf16Max;
+  uint32_t out = (mag >> 16) + (sr_round_up(r, mag & 0xffffu, 16) ? 1u : 0u);  // carry: next binade / Inf
+  out = (saturate && out > kBf16Max) ? kBf16Max : out;
+  out = mag == 0x7f800000u ? (saturate ? kBf16Max : kBf16Inf) : out;
+  // NaN: quiet, keeping the sign and the top payload bits (never becomes Inf).
+  out = mag > 0x7f800000u ? (kBf16Inf | 0x0040u | ((mag >> 16) & 0x007fu)) : out;
   return static_cast<uint16_t>(sign16 | out);
 }
 
