@@ -1,0 +1,1 @@
+"""Building blocks of examples/train_clip.py: a tiny CLIP trained on scikit-learn's digits."""
