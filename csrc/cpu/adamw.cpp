@@ -19,8 +19,10 @@
 #if defined(__GNUC__) && !defined(__clang__)
 // For every function below, including the inline header functions (so that they stay inlinable):
 // no a*b+c contraction into FMAs, which the AVX-512 code could otherwise do and which would change
-// bits.
-#pragma GCC optimize("fp-contract=off")
+// bits; and no floating-point exception flags to preserve, so that the fp16 decoding's selects may
+// be computed unconditionally and vectorised (values are unchanged: IEEE results do not depend on
+// the flags).
+#pragma GCC optimize("fp-contract=off", "no-trapping-math")
 #endif
 
 #include "clipshard/adamw.h"
@@ -155,6 +157,8 @@ __attribute__((always_inline)) inline void step_range(const TensorStep& t, int64
         philox_words(seed, offset, stream_block(t.stream + 2, 0) + first, blocks, rv);
       }
     }
+    // omp simd: GCC 12 if-converts the fp16 rules' many-way selects only in loops marked for SIMD.
+#pragma omp simd
     for (int64_t j = 0; j < n; ++j) {
       p[j] = load_one<P>(p_base, b + j);
       g[j] = load_one<P>(g_base, b + j);
@@ -163,6 +167,7 @@ __attribute__((always_inline)) inline void step_range(const TensorStep& t, int64
       if constexpr (S == Storage::kHalf) v[j] = decode_fourth_root(v[j]);
     }
     update_block<S == Storage::kHalf>(p, g, m, v, n, h, t.neg_step_size, t.bc2_sqrt);
+#pragma omp simd
     for (int64_t j = 0; j < n; ++j) {
       store_one<P, kStochastic>(p_base, b + j, p[j], rp, j);
       store_one<S, kStochastic>(m_base, b + j, m[j], rm, j);
