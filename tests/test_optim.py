@@ -2,6 +2,9 @@
 fp64 step, unbiasedness, the stall that stochastic rounding prevents, the fp16 second-moment
 encoding, state_dict round trips, reproducibility and errors."""
 import io
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -193,6 +196,39 @@ def test_16bit_results_are_the_fp32_update_rounded(dtype):
             for stored, exact in ((sr_m, m32), (sr_v, stored_v)):
                 lo, hi = half_neighbours(exact.double(), dtype)
                 assert ((stored.double() == lo.double()) | (stored.double() == hi.double())).all(), n
+
+
+_ISA_RUN = """
+import sys, torch, clipshard
+gen = torch.Generator().manual_seed(8)
+dtypes, out = (torch.float32, torch.float16, torch.bfloat16), []
+for pd in dtypes:
+    for sd in dtypes:
+        for stochastic in (True, False):
+            sizes = (3, 67, 513, 16384 + 515)
+            ps = [(torch.randn(n, generator=gen) * 10.0 ** torch.randint(-3, 2, (n,), generator=gen)).to(pd) for n in sizes]
+            gs = [(torch.randn(n, generator=gen) * 1e-2).to(pd) for n in sizes]
+            ms = [(torch.randn(n, generator=gen) * 1e-3).to(sd) for n in sizes]
+            vs = [(torch.rand(n, generator=gen) * 1e-2).to(sd) for n in sizes]
+            torch.ops.clipshard.adamw_step_(ps, gs, ms, vs, [4] * len(sizes), 1e-2, 0.9, 0.99, 1e-8, 0.1, False,
+                                            stochastic, 5, 6)
+            out += ps + ms + vs
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_every_cpu_instruction_set_gives_the_same_bits(tmp_path):
+    """The AVX-512, AVX2 and baseline code paths (CLIPSHARD_CPU_ISA narrows the choice; a CPU
+    without AVX-512 runs its best path twice) give the same bits for every storage pair."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(clipshard.__file__)))
+    results = {}
+    for isa in ("", "avx2", "baseline"):
+        env = dict(os.environ, CLIPSHARD_CPU_ISA=isa, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        path = tmp_path / f"isa_{isa or 'best'}.pt"
+        subprocess.run([sys.executable, "-c", _ISA_RUN, str(path)], env=env, check=True)
+        results[isa] = torch.load(path)
+    for isa in ("avx2", "baseline"):
+        assert all(torch.equal(a, b) for a, b in zip(results[""], results[isa], strict=True)), isa
 
 
 @pytest.mark.parametrize("dtype", HALF)

@@ -70,6 +70,8 @@ inline void update_scalar(float* p, const float* g, float* m, float* v, int64_t 
 }
 
 #if defined(CLIPSHARD_PHILOX_SIMD)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12, inside its AVX-512 intrinsics
 __attribute__((target("avx512f"))) inline __m512 xor512(__m512 a, __m512 b) {  // _mm512_xor_ps needs DQ
   return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_castps_si512(b)));
 }
@@ -108,6 +110,7 @@ CLIPSHARD_ADAMW_VECTOR_UPDATE("avx2", update_avx2, 8, __m256, _mm256_loadu_ps, _
 CLIPSHARD_ADAMW_VECTOR_UPDATE("sse2", update_sse2, 4, __m128, _mm_loadu_ps, _mm_storeu_ps, _mm_set1_ps,
                               _mm_xor_ps, _mm_add_ps, _mm_sub_ps, _mm_mul_ps, _mm_div_ps, _mm_sqrt_ps)
 #undef CLIPSHARD_ADAMW_VECTOR_UPDATE
+#pragma GCC diagnostic pop
 #endif
 
 template <bool kFourthRoot>
@@ -117,7 +120,7 @@ void update_block(float* p, const float* g, float* m, float* v, int64_t n, const
   switch (simd_isa()) {
     case SimdIsa::kAvx512: return update_avx512<kFourthRoot>(p, g, m, v, n, h, neg_step_size, bc2_sqrt);
     case SimdIsa::kAvx2: return update_avx2<kFourthRoot>(p, g, m, v, n, h, neg_step_size, bc2_sqrt);
-    case SimdIsa::kScalar: return update_sse2<kFourthRoot>(p, g, m, v, n, h, neg_step_size, bc2_sqrt);
+    case SimdIsa::kBaseline: return update_sse2<kFourthRoot>(p, g, m, v, n, h, neg_step_size, bc2_sqrt);
   }
 #endif
   update_scalar<kFourthRoot>(p, g, m, v, 0, n, h, neg_step_size, bc2_sqrt);
@@ -199,20 +202,43 @@ __attribute__((always_inline)) inline void step_range_param(const TensorStep& t,
   }
 }
 
-// One function per instruction set, picked at load time; everything above is inlined into each
-// clone (always_inline: a lambda or a plain call would be compiled for the baseline only). With
-// FMA contraction off, the clones perform the same rounded fp32 operations.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-__attribute__((target_clones("avx512f", "avx2", "default"), flatten))
-#endif
-void step_range_dispatch(const TensorStep& t, int64_t begin, int64_t end, const AdamWHyper& h,
-                         Storage param, Storage state, bool stochastic, uint64_t seed, uint64_t offset) {
+// Elements [begin, end) of one tensor with any storage and rounding.
+__attribute__((always_inline)) inline void step_range_any(const TensorStep& t, int64_t begin, int64_t end,
+                                                          const AdamWHyper& h, Storage param, Storage state,
+                                                          bool stochastic, uint64_t seed, uint64_t offset) {
   switch (param) {
     case Storage::kFloat: return step_range_param<Storage::kFloat>(t, begin, end, h, state, stochastic, seed, offset);
     case Storage::kHalf: return step_range_param<Storage::kHalf>(t, begin, end, h, state, stochastic, seed, offset);
     case Storage::kBFloat16:
       return step_range_param<Storage::kBFloat16>(t, begin, end, h, state, stochastic, seed, offset);
   }
+}
+
+// One copy per instruction set, everything above inlined into each (flatten: a lambda or a plain
+// call would be compiled for the baseline only). With FMA contraction off, the copies perform the
+// same rounded fp32 operations; only the width of the widening/narrowing loops differs.
+#define CLIPSHARD_STEP_RANGE(NAME, ATTRIBUTES)                                                              \
+  ATTRIBUTES void NAME(const TensorStep& t, int64_t begin, int64_t end, const AdamWHyper& h, Storage param, \
+                       Storage state, bool stochastic, uint64_t seed, uint64_t offset) {                    \
+    step_range_any(t, begin, end, h, param, state, stochastic, seed, offset);                               \
+  }
+CLIPSHARD_STEP_RANGE(step_range_baseline, __attribute__((flatten)))
+#if defined(CLIPSHARD_PHILOX_SIMD)
+CLIPSHARD_STEP_RANGE(step_range_avx2, __attribute__((target("avx2"), flatten)))
+CLIPSHARD_STEP_RANGE(step_range_avx512, __attribute__((target("avx512f"), flatten)))
+#endif
+#undef CLIPSHARD_STEP_RANGE
+
+void step_range_dispatch(const TensorStep& t, int64_t begin, int64_t end, const AdamWHyper& h,
+                         Storage param, Storage state, bool stochastic, uint64_t seed, uint64_t offset) {
+#if defined(CLIPSHARD_PHILOX_SIMD)
+  switch (simd_isa()) {
+    case SimdIsa::kAvx512: return step_range_avx512(t, begin, end, h, param, state, stochastic, seed, offset);
+    case SimdIsa::kAvx2: return step_range_avx2(t, begin, end, h, param, state, stochastic, seed, offset);
+    case SimdIsa::kBaseline: break;
+  }
+#endif
+  step_range_baseline(t, begin, end, h, param, state, stochastic, seed, offset);
 }
 
 void adamw_cpu(const AdamWArgs& a) {
