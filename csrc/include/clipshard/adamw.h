@@ -8,8 +8,9 @@
 //   v <- v * beta2 + ((1 - beta2) * g) * g
 //   p <- p + (-lr / (1 - beta1^t) * m) / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 // Every operation is a single IEEE-rounded fp32 operation: on CUDA through the explicit _rn
-// intrinsics (never contracted into FMAs), on the host through plain operators (the x86-64 baseline
-// the extension is built for has no FMA instruction to contract into). sqrt and division are
+// intrinsics (never contracted into FMAs), on the host through plain operators or their vector
+// equivalents, never contracted either (csrc/cpu/adamw.cpp is compiled with fp-contract=off; the
+// x86-64 baseline has no FMA instruction anyway). sqrt and division are
 // correctly rounded on both, so the CPU and CUDA results agree bit for bit.
 //
 // Storage: fp32 as is; bf16 and fp16 rounded stochastically (stochastic_rounding.h) or to nearest
