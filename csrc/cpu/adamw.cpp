@@ -1,14 +1,14 @@
 // CPU kernel of clipshard::adamw_step_: one parallel pass over all elements of all tensors.
 //
-// Speed comes from three parts (docs/optimizer.md, "CPU kernel"):
-// - Philox words are drawn 16 (AVX-512) or 8 (AVX2) blocks at a time with hand-written integer
-//   intrinsics (philox_simd.h), one block serving 4 consecutive elements, for a whole block of
-//   elements of each 16-bit output at once;
-// - the element loop (load, widen, update, narrow, store) is a plain loop over the shared header
-//   functions, compiled for AVX-512, AVX2 and the baseline (target_clones) and vectorised by GCC;
-// - the element loop is compiled without errno for sqrt (so that it vectorises) and without FMA
-//   contraction, so every clone performs the same IEEE-rounded fp32 operations in the same order
-//   as the scalar header code and the CUDA kernel: the same bits on every machine.
+// Per block of 512 elements, four vectorised passes (docs/optimizer.md, "Kernels"):
+// - Philox words for each stochastically rounded 16-bit output, 16 (AVX-512) or 8 (AVX2) Philox
+//   blocks at a time with integer intrinsics (philox_simd.h), one block serving 4 elements;
+// - widen p, g, m, v to fp32 arrays (a plain loop over the shared header functions);
+// - the update, with SSE / AVX2 / AVX-512 intrinsics performing the header's IEEE operations in
+//   the header's order (GCC does not vectorise the scalar code: sqrt may set errno);
+// - narrow with the shared rounding rules and store (a plain loop again).
+// The whole block step is compiled once per instruction set and picked at run time; with FMA
+// contraction off, every copy gives the bits of the scalar header code and of the CUDA kernel.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
