@@ -118,7 +118,8 @@ CLIPSHARD_HOST_DEVICE float half_bits_to_float(uint16_t h) {
   const uint32_t inf_nan = 0x7f800000u | (mantissa << 13);
   const uint32_t normal = ((exponent + 112u) << 23) | (mantissa << 13);
   // zero or subnormal: mantissa * 2^-24, exact in fp32
-  const uint32_t subnormal = float_to_bits(fmul(static_cast<float>(static_cast<int32_t>(mantissa)), 5.9604644775390625e-8f));
+  const float mantissa_f = static_cast<float>(static_cast<int32_t>(mantissa));
+  const uint32_t subnormal = float_to_bits(fmul(mantissa_f, 5.9604644775390625e-8f));
   return bits_to_float(sign | (exponent == 0x1fu ? inf_nan : (exponent != 0 ? normal : subnormal)));
 }
 CLIPSHARD_HOST_DEVICE float bfloat16_bits_to_float(uint16_t b) {
