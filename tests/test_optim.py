@@ -2,6 +2,9 @@
 fp64 step, unbiasedness, the stall that stochastic rounding prevents, the fp16 second-moment
 encoding, state_dict round trips, reproducibility and errors."""
 import io
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -147,6 +150,85 @@ def test_vector_body_and_scalar_tail_agree(dtype):
                                         False, 0, 0)
     for t in (p, m, v):
         assert torch.equal(t[:3], t[-3:]) and not torch.equal(t[:3], t[3:6])
+
+
+def _fp32_step_of(p, g, m, v, step, maximize):
+    """The same step on fp32 copies through the fp32 kernel: the values the 16-bit kernel rounds
+    (fp16 second moments decoded from v^(1/4) first; both kernels then compute in fp32)."""
+    p32, g32, m32, q = p.float(), g.float(), m.float(), v.float()
+    v32 = (q * q) * (q * q) if v.dtype == torch.float16 else q
+    torch.ops.clipshard.adamw_step_([p32], [g32], [m32], [v32], [step], 1e-2, 0.9, 0.99, 1e-8, 0.1, maximize,
+                                    False, 0, 0)
+    return p32, m32, v32
+
+
+# Sizes around the CPU kernel's boundaries: 16 / 8 Philox blocks per vector, 512 elements per inner
+# block, 16,384 per parallel chunk; tails of 1 to 3 elements.
+BOUNDARY_SIZES = (1, 3, 61, 64, 67, 511, 513, 2047, 16384 + 515)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_16bit_results_are_the_fp32_update_rounded(dtype):
+    """Every element, wherever it sits (vector bodies, tails, block and chunk boundaries), gets the
+    fp32 kernel's update rounded: stochastically with the words of stochastic_round for the same
+    (seed, offset) for the parameter (stream 0), to nearest even (torch's cast) for all three."""
+    gen = torch.Generator().manual_seed(6)
+    for n in BOUNDARY_SIZES:
+        p = (torch.randn(n, generator=gen) + 1.5).to(dtype)
+        g = (torch.randn(n, generator=gen) * 1e-2).to(dtype)
+        m = (torch.randn(n, generator=gen) * 1e-3).to(dtype)
+        v = (torch.rand(n, generator=gen) * 1e-4 + 1e-6)
+        v = (v.sqrt().sqrt() if dtype == torch.float16 else v).to(dtype)
+        for maximize in (False, True):
+            p32, m32, v32 = _fp32_step_of(p, g, m, v, 5, maximize)
+            stored_v = v32.sqrt().sqrt() if dtype == torch.float16 else v32
+            sr_p, sr_g, sr_m, sr_v = (t.clone() for t in (p, g, m, v))
+            torch.ops.clipshard.adamw_step_([sr_p], [sr_g], [sr_m], [sr_v], [5], 1e-2, 0.9, 0.99, 1e-8, 0.1,
+                                            maximize, True, 77, 91)
+            assert torch.equal(sr_p, torch.ops.clipshard.stochastic_round(p32, dtype, 77, 91, False)), n
+            rn_p, rn_g, rn_m, rn_v = (t.clone() for t in (p, g, m, v))
+            torch.ops.clipshard.adamw_step_([rn_p], [rn_g], [rn_m], [rn_v], [5], 1e-2, 0.9, 0.99, 1e-8, 0.1,
+                                            maximize, False, 0, 0)
+            assert torch.equal(rn_p, p32.to(dtype)), n
+            assert torch.equal(rn_m, m32.to(dtype)), n
+            assert torch.equal(rn_v, stored_v.to(dtype)), n
+            # stochastic moments: one of the two neighbours of the fp32 value, not all the nearest
+            for stored, exact in ((sr_m, m32), (sr_v, stored_v)):
+                lo, hi = half_neighbours(exact.double(), dtype)
+                assert ((stored.double() == lo.double()) | (stored.double() == hi.double())).all(), n
+
+
+_ISA_RUN = """
+import sys, torch, clipshard
+gen = torch.Generator().manual_seed(8)
+dtypes, out = (torch.float32, torch.float16, torch.bfloat16), []
+for pd in dtypes:
+    for sd in dtypes:
+        for stochastic in (True, False):
+            sizes = (3, 67, 513, 16384 + 515)
+            ps = [(torch.randn(n, generator=gen) * 10.0 ** torch.randint(-3, 2, (n,), generator=gen)).to(pd) for n in sizes]
+            gs = [(torch.randn(n, generator=gen) * 1e-2).to(pd) for n in sizes]
+            ms = [(torch.randn(n, generator=gen) * 1e-3).to(sd) for n in sizes]
+            vs = [(torch.rand(n, generator=gen) * 1e-2).to(sd) for n in sizes]
+            torch.ops.clipshard.adamw_step_(ps, gs, ms, vs, [4] * len(sizes), 1e-2, 0.9, 0.99, 1e-8, 0.1, False,
+                                            stochastic, 5, 6)
+            out += ps + ms + vs
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_every_cpu_instruction_set_gives_the_same_bits(tmp_path):
+    """The AVX-512, AVX2 and baseline code paths (CLIPSHARD_CPU_ISA narrows the choice; a CPU
+    without AVX-512 runs its best path twice) give the same bits for every storage pair."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(clipshard.__file__)))
+    results = {}
+    for isa in ("", "avx2", "baseline"):
+        env = dict(os.environ, CLIPSHARD_CPU_ISA=isa, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        path = tmp_path / f"isa_{isa or 'best'}.pt"
+        subprocess.run([sys.executable, "-c", _ISA_RUN, str(path)], env=env, check=True)
+        results[isa] = torch.load(path)
+    for isa in ("avx2", "baseline"):
+        assert all(torch.equal(a, b) for a, b in zip(results[""], results[isa], strict=True)), isa
 
 
 @pytest.mark.parametrize("dtype", HALF)

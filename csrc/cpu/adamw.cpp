@@ -1,133 +1,264 @@
 // CPU kernel of clipshard::adamw_step_: one parallel pass over all elements of all tensors.
-// Elements are processed in blocks of kBlock: load and widen to fp32, update (4 lanes at a time
-// with SSE on x86, the shared scalar code elsewhere and for tails), then narrow and store, drawing
-// Philox words for the 16-bit outputs. x86-64's baseline has no FMA, so nothing is contracted.
+//
+// Per block of 512 elements, four vectorised passes (docs/optimizer.md, "Kernels"):
+// - Philox words for each stochastically rounded 16-bit output, 16 (AVX-512) or 8 (AVX2) Philox
+//   blocks at a time with integer intrinsics (philox_simd.h), one block serving 4 elements;
+// - widen p, g, m, v to fp32 arrays (a plain loop over the shared header functions);
+// - the update, with SSE / AVX2 / AVX-512 intrinsics performing the header's IEEE operations in
+//   the header's order (GCC does not vectorise the scalar code: sqrt may set errno);
+// - narrow with the shared rounding rules and store (a plain loop again).
+// The whole block step is compiled once per instruction set and picked at run time; with FMA
+// contraction off, every copy gives the bits of the scalar header code and of the CUDA kernel.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
-#if defined(__SSE2__)
-#include <immintrin.h>
+
+#if defined(__GNUC__) && !defined(__clang__)
+// For every function below, including the inline header functions (so that they stay inlinable):
+// no a*b+c contraction into FMAs, which the AVX-512 code could otherwise do and which would change
+// bits; and no floating-point exception flags to preserve, so that the fp16 decoding's selects may
+// be computed unconditionally and vectorised (values are unchanged: IEEE results do not depend on
+// the flags).
+#pragma GCC optimize("fp-contract=off", "no-trapping-math")
 #endif
 
 #include "clipshard/adamw.h"
 #include "clipshard/philox.h"
+#include "philox_simd.h"
 #include "../adamw_args.h"
 
 namespace clipshard {
 namespace {
 
-constexpr int64_t kBlock = 256;           // elements per inner block (a multiple of 4)
-constexpr int64_t kChunk = 64 * kBlock;   // elements per parallel work item
-
-#if defined(__SSE2__)
-// Four lanes of adamw_update (clipshard/adamw.h) with SSE: the same IEEE-rounded operations in the
-// same order, hence the same bits. GCC does not vectorise the scalar loop itself: sqrt may set errno.
-inline void adamw_update4(float* p, const float* g, float* m, float* v, const AdamWHyper& h,
-                          float neg_step_size, float bc2_sqrt) {
-  __m128 gv = _mm_loadu_ps(g);
-  if (h.maximize) gv = _mm_xor_ps(gv, _mm_set1_ps(-0.0f));  // exact negation
-  __m128 pv = _mm_mul_ps(_mm_loadu_ps(p), _mm_set1_ps(h.decay));
-  __m128 mv = _mm_loadu_ps(m);
-  mv = _mm_add_ps(mv, _mm_mul_ps(_mm_set1_ps(h.one_minus_beta1), _mm_sub_ps(gv, mv)));
-  const __m128 vv = _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(v), _mm_set1_ps(h.beta2)),
-                               _mm_mul_ps(_mm_mul_ps(_mm_set1_ps(h.one_minus_beta2), gv), gv));
-  const __m128 denom = _mm_add_ps(_mm_div_ps(_mm_sqrt_ps(vv), _mm_set1_ps(bc2_sqrt)), _mm_set1_ps(h.eps));
-  pv = _mm_add_ps(pv, _mm_div_ps(_mm_mul_ps(_mm_set1_ps(neg_step_size), mv), denom));
-  _mm_storeu_ps(p, pv);
-  _mm_storeu_ps(m, mv);
-  _mm_storeu_ps(v, vv);
-}
-#endif
-
-// Updates n elements held in fp32 arrays.
-inline void update_block(float* p, const float* g, float* m, float* v, int64_t n, const AdamWHyper& h,
-                         float neg_step_size, float bc2_sqrt) {
-  int64_t j = 0;
-#if defined(__SSE2__)
-  for (; j + 4 <= n; j += 4) adamw_update4(p + j, g + j, m + j, v + j, h, neg_step_size, bc2_sqrt);
-#endif
-  for (; j < n; ++j) adamw_update(p[j], g[j], m[j], v[j], h, neg_step_size, bc2_sqrt);
-}
+constexpr int64_t kBlock = 512;           // elements per inner block (a multiple of 4)
+constexpr int64_t kChunk = 32 * kBlock;   // elements per parallel work item
 
 template <Storage S>
-void load(const void* base, int64_t begin, int64_t n, float* out) {
+__attribute__((always_inline)) inline float load_one(const void* base, int64_t i) {
   if constexpr (S == Storage::kFloat) {
-    const float* src = static_cast<const float*>(base) + begin;
-    for (int64_t j = 0; j < n; ++j) out[j] = src[j];
+    return static_cast<const float*>(base)[i];
   } else {
-    const uint16_t* src = static_cast<const uint16_t*>(base) + begin;
-    for (int64_t j = 0; j < n; ++j) out[j] = storage_to_float<S>(src[j]);
+    return storage_to_float<S>(static_cast<const uint16_t*>(base)[i]);
   }
 }
 
-// The Philox words of `blocks` consecutive blocks starting at counter `first_block` (integer-only
-// code, so the instruction-set clones cannot change a bit).
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-__attribute__((target_clones("avx2", "default")))
-#endif
-void draw_words(uint64_t seed, uint64_t offset, uint64_t first_block, int64_t blocks, uint32_t* random) {
-  for (int64_t b = 0; b < blocks; ++b) {
-    const PhiloxWords words = philox_block(seed, offset, first_block + static_cast<uint64_t>(b));
-    for (int l = 0; l < 4; ++l) random[4 * b + l] = words.w[l];
+// Stores element i; random[j] is its Philox word (read only when rounding stochastically to 16 bits).
+template <Storage S, bool kStochastic>
+__attribute__((always_inline)) inline void store_one(void* base, int64_t i, float x, const uint32_t* random,
+                                                     int64_t j) {
+  if constexpr (S == Storage::kFloat) {
+    static_cast<float*>(base)[i] = x;
+  } else {
+    static_cast<uint16_t*>(base)[i] = round_to_storage<S>(x, kStochastic ? random[j] : 0u, kStochastic);
   }
 }
 
-// Stores n values of `in` to elements begin .. begin + n of the tensor (begin a multiple of 4).
-template <Storage S>
-void store(void* base, int64_t begin, int64_t n, const float* in, bool stochastic, uint64_t seed,
-           uint64_t offset, uint64_t stream) {
-  if constexpr (S == Storage::kFloat) {
-    float* dst = static_cast<float*>(base) + begin;
-    for (int64_t j = 0; j < n; ++j) dst[j] = in[j];
-  } else {
-    uint16_t* dst = static_cast<uint16_t*>(base) + begin;
-    if (!stochastic) {
-      for (int64_t j = 0; j < n; ++j) dst[j] = round_to_storage<S>(in[j], 0u, false);
-      return;
+// The update of n elements held in fp32 arrays (v: the decoded second moment). kFourthRoot: v is
+// written back encoded as v^(1/4) = sqrt(sqrt(v)), reusing the sqrt(v) of the denominator. The
+// scalar code is the shared header's; the vector versions below do the same IEEE operations in the
+// same order (GCC does not vectorise the scalar code: sqrt may set errno).
+template <bool kFourthRoot>
+inline void update_scalar(float* p, const float* g, float* m, float* v, int64_t begin, int64_t n,
+                          const AdamWHyper& h, float neg_step_size, float bc2_sqrt) {
+  for (int64_t j = begin; j < n; ++j) {
+    adamw_update(p[j], g[j], m[j], v[j], h, neg_step_size, bc2_sqrt);
+    if constexpr (kFourthRoot) v[j] = encode_fourth_root(v[j]);
+  }
+}
+
+#if defined(CLIPSHARD_PHILOX_SIMD)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12, inside its AVX-512 intrinsics
+__attribute__((target("avx512f"))) inline __m512 xor512(__m512 a, __m512 b) {  // _mm512_xor_ps needs DQ
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+}
+
+// One body for three vector widths: the vector type and the intrinsics differ, the operations and
+// their order do not.
+#define CLIPSHARD_ADAMW_VECTOR_UPDATE(TARGET, NAME, WIDTH, VEC, LOAD, STORE, SET1, XOR, ADD, SUB, MUL, DIV, SQRT) \
+  template <bool kFourthRoot>                                                                            \
+  __attribute__((target(TARGET))) void NAME(float* p, const float* g, float* m, float* v, int64_t n,     \
+                                            const AdamWHyper& h, float neg_step_size, float bc2_sqrt) {  \
+    const VEC sign = SET1(h.maximize ? -0.0f : 0.0f), decay = SET1(h.decay);                             \
+    const VEC one_minus_beta1 = SET1(h.one_minus_beta1), beta2 = SET1(h.beta2);                          \
+    const VEC one_minus_beta2 = SET1(h.one_minus_beta2), eps = SET1(h.eps);                              \
+    const VEC step = SET1(neg_step_size), bc2 = SET1(bc2_sqrt);                                          \
+    int64_t j = 0;                                                                                       \
+    for (; j + WIDTH <= n; j += WIDTH) {                                                                 \
+      const VEC gv = XOR(LOAD(g + j), sign); /* exact negation when maximizing */                        \
+      VEC pv = MUL(LOAD(p + j), decay);                                                                  \
+      VEC mv = LOAD(m + j);                                                                              \
+      mv = ADD(mv, MUL(one_minus_beta1, SUB(gv, mv)));                                                   \
+      const VEC vv = ADD(MUL(LOAD(v + j), beta2), MUL(MUL(one_minus_beta2, gv), gv));                    \
+      const VEC root = SQRT(vv);                                                                         \
+      pv = ADD(pv, DIV(MUL(step, mv), ADD(DIV(root, bc2), eps)));                                        \
+      STORE(p + j, pv);                                                                                  \
+      STORE(m + j, mv);                                                                                  \
+      STORE(v + j, kFourthRoot ? SQRT(root) : vv);                                                       \
+    }                                                                                                    \
+    update_scalar<kFourthRoot>(p, g, m, v, j, n, h, neg_step_size, bc2_sqrt);                            \
+  }
+CLIPSHARD_ADAMW_VECTOR_UPDATE("avx512f", update_avx512, 16, __m512, _mm512_loadu_ps, _mm512_storeu_ps,
+                              _mm512_set1_ps, xor512, _mm512_add_ps, _mm512_sub_ps, _mm512_mul_ps,
+                              _mm512_div_ps, _mm512_sqrt_ps)
+CLIPSHARD_ADAMW_VECTOR_UPDATE("avx2", update_avx2, 8, __m256, _mm256_loadu_ps, _mm256_storeu_ps,
+                              _mm256_set1_ps, _mm256_xor_ps, _mm256_add_ps, _mm256_sub_ps, _mm256_mul_ps,
+                              _mm256_div_ps, _mm256_sqrt_ps)
+CLIPSHARD_ADAMW_VECTOR_UPDATE("sse2", update_sse2, 4, __m128, _mm_loadu_ps, _mm_storeu_ps, _mm_set1_ps,
+                              _mm_xor_ps, _mm_add_ps, _mm_sub_ps, _mm_mul_ps, _mm_div_ps, _mm_sqrt_ps)
+#undef CLIPSHARD_ADAMW_VECTOR_UPDATE
+#pragma GCC diagnostic pop
+#endif
+
+template <bool kFourthRoot>
+void update_block(float* p, const float* g, float* m, float* v, int64_t n, const AdamWHyper& h,
+                  float neg_step_size, float bc2_sqrt) {
+#if defined(CLIPSHARD_PHILOX_SIMD)
+  switch (simd_isa()) {
+    case SimdIsa::kAvx512: return update_avx512<kFourthRoot>(p, g, m, v, n, h, neg_step_size, bc2_sqrt);
+    case SimdIsa::kAvx2: return update_avx2<kFourthRoot>(p, g, m, v, n, h, neg_step_size, bc2_sqrt);
+    case SimdIsa::kBaseline: return update_sse2<kFourthRoot>(p, g, m, v, n, h, neg_step_size, bc2_sqrt);
+  }
+#endif
+  update_scalar<kFourthRoot>(p, g, m, v, 0, n, h, neg_step_size, bc2_sqrt);
+}
+
+// The pointers and scalars of one tensor.
+struct TensorStep {
+  void* p;
+  const void* g;
+  void* m;
+  void* v;
+  float neg_step_size, bc2_sqrt;
+  uint64_t stream;  // 3 * tensor number: the stream of the parameter; + 1, + 2 for the moments
+};
+
+// Elements [begin, end) of one tensor (begin a multiple of 4), in blocks of kBlock: the Philox
+// words of the block for each stochastically rounded output, a widening loop, the update, and a
+// narrowing loop (the two loops vectorise in the AVX2 / AVX-512 clones).
+template <Storage P, Storage S, bool kStochastic>
+__attribute__((always_inline)) inline void step_range(const TensorStep& t, int64_t begin, int64_t end,
+                                                      const AdamWHyper& h, uint64_t seed,
+                                                      uint64_t offset) {
+  alignas(64) uint32_t rp[kBlock], rm[kBlock], rv[kBlock];
+  alignas(64) float p[kBlock], g[kBlock], m[kBlock], v[kBlock];
+  void* const p_base = t.p;
+  const void* const g_base = t.g;
+  void* const m_base = t.m;
+  void* const v_base = t.v;
+  for (int64_t b = begin; b < end; b += kBlock) {
+    const int64_t n = std::min(kBlock, end - b);
+    if constexpr (kStochastic) {
+      const int64_t blocks = (n + 3) / 4;
+      const uint64_t first = static_cast<uint64_t>(b) >> 2;
+      if constexpr (P != Storage::kFloat) philox_words(seed, offset, stream_block(t.stream, 0) + first, blocks, rp);
+      if constexpr (S != Storage::kFloat) {
+        philox_words(seed, offset, stream_block(t.stream + 1, 0) + first, blocks, rm);
+        philox_words(seed, offset, stream_block(t.stream + 2, 0) + first, blocks, rv);
+      }
     }
-    uint32_t random[kBlock];  // the Philox words first (a loop of its own), then the rounding
-    draw_words(seed, offset, stream_block(stream, static_cast<uint64_t>(begin)), (n + 3) / 4, random);
-    for (int64_t j = 0; j < n; ++j) dst[j] = round_to_storage<S>(in[j], random[j], true);
+    // omp simd: GCC 12 if-converts the fp16 rules' many-way selects only in loops marked for SIMD.
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+      p[j] = load_one<P>(p_base, b + j);
+      g[j] = load_one<P>(g_base, b + j);
+      m[j] = load_one<S>(m_base, b + j);
+      v[j] = load_one<S>(v_base, b + j);
+      if constexpr (S == Storage::kHalf) v[j] = decode_fourth_root(v[j]);
+    }
+    update_block<S == Storage::kHalf>(p, g, m, v, n, h, t.neg_step_size, t.bc2_sqrt);
+#pragma omp simd
+    for (int64_t j = 0; j < n; ++j) {
+      store_one<P, kStochastic>(p_base, b + j, p[j], rp, j);
+      store_one<S, kStochastic>(m_base, b + j, m[j], rm, j);
+      store_one<S, kStochastic>(v_base, b + j, v[j], rv, j);
+    }
   }
 }
 
 template <Storage P, Storage S>
+__attribute__((always_inline)) inline void step_range_rounding(const TensorStep& t, int64_t begin, int64_t end,
+                                                               const AdamWHyper& h, bool stochastic,
+                                                               uint64_t seed, uint64_t offset) {
+  if (stochastic && (P != Storage::kFloat || S != Storage::kFloat)) {
+    step_range<P, S, true>(t, begin, end, h, seed, offset);
+  } else {
+    step_range<P, S, false>(t, begin, end, h, seed, offset);
+  }
+}
+
+template <Storage P>
+__attribute__((always_inline)) inline void step_range_param(const TensorStep& t, int64_t begin, int64_t end,
+                                                            const AdamWHyper& h, Storage state, bool stochastic,
+                                                            uint64_t seed, uint64_t offset) {
+  switch (state) {
+    case Storage::kFloat: return step_range_rounding<P, Storage::kFloat>(t, begin, end, h, stochastic, seed, offset);
+    case Storage::kHalf: return step_range_rounding<P, Storage::kHalf>(t, begin, end, h, stochastic, seed, offset);
+    case Storage::kBFloat16:
+      return step_range_rounding<P, Storage::kBFloat16>(t, begin, end, h, stochastic, seed, offset);
+  }
+}
+
+// Elements [begin, end) of one tensor with any storage and rounding.
+__attribute__((always_inline)) inline void step_range_any(const TensorStep& t, int64_t begin, int64_t end,
+                                                          const AdamWHyper& h, Storage param, Storage state,
+                                                          bool stochastic, uint64_t seed, uint64_t offset) {
+  switch (param) {
+    case Storage::kFloat: return step_range_param<Storage::kFloat>(t, begin, end, h, state, stochastic, seed, offset);
+    case Storage::kHalf: return step_range_param<Storage::kHalf>(t, begin, end, h, state, stochastic, seed, offset);
+    case Storage::kBFloat16:
+      return step_range_param<Storage::kBFloat16>(t, begin, end, h, state, stochastic, seed, offset);
+  }
+}
+
+// One copy per instruction set, everything above inlined into each (flatten: a lambda or a plain
+// call would be compiled for the baseline only). With FMA contraction off, the copies perform the
+// same rounded fp32 operations; only the width of the widening/narrowing loops differs.
+#define CLIPSHARD_STEP_RANGE(NAME, ATTRIBUTES)                                                              \
+  ATTRIBUTES void NAME(const TensorStep& t, int64_t begin, int64_t end, const AdamWHyper& h, Storage param, \
+                       Storage state, bool stochastic, uint64_t seed, uint64_t offset) {                    \
+    step_range_any(t, begin, end, h, param, state, stochastic, seed, offset);                               \
+  }
+CLIPSHARD_STEP_RANGE(step_range_baseline, __attribute__((flatten)))
+#if defined(CLIPSHARD_PHILOX_SIMD)
+CLIPSHARD_STEP_RANGE(step_range_avx2, __attribute__((target("avx2"), flatten)))
+CLIPSHARD_STEP_RANGE(step_range_avx512, __attribute__((target("avx512f"), flatten)))
+#endif
+#undef CLIPSHARD_STEP_RANGE
+
+void step_range_dispatch(const TensorStep& t, int64_t begin, int64_t end, const AdamWHyper& h,
+                         Storage param, Storage state, bool stochastic, uint64_t seed, uint64_t offset) {
+#if defined(CLIPSHARD_PHILOX_SIMD)
+  switch (simd_isa()) {
+    case SimdIsa::kAvx512: return step_range_avx512(t, begin, end, h, param, state, stochastic, seed, offset);
+    case SimdIsa::kAvx2: return step_range_avx2(t, begin, end, h, param, state, stochastic, seed, offset);
+    case SimdIsa::kBaseline: break;
+  }
+#endif
+  step_range_baseline(t, begin, end, h, param, state, stochastic, seed, offset);
+}
+
 void adamw_cpu(const AdamWArgs& a) {
   struct Chunk {
     int64_t tensor, begin, end;
   };
+  std::vector<TensorStep> tensors;
   std::vector<Chunk> chunks;
   for (int64_t t = 0; t < static_cast<int64_t>(a.numel.size()); ++t) {
+    tensors.push_back({a.params[t], a.grads[t], a.exp_avgs[t], a.exp_avg_sqs[t], a.neg_step_size[t],
+                       a.bc2_sqrt[t], 3 * static_cast<uint64_t>(t)});
     for (int64_t b = 0; b < a.numel[t]; b += kChunk) {
       chunks.push_back({t, b, std::min(a.numel[t], b + kChunk)});
     }
   }
   at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t first, int64_t last) {
-    float p[kBlock], g[kBlock], m[kBlock], v[kBlock];
     for (int64_t c = first; c < last; ++c) {
       const Chunk& chunk = chunks[c];
-      const int64_t t = chunk.tensor;
-      const float neg_step_size = a.neg_step_size[t], bc2_sqrt = a.bc2_sqrt[t];
-      const uint64_t stream = 3 * static_cast<uint64_t>(t);
-      for (int64_t b = chunk.begin; b < chunk.end; b += kBlock) {
-        const int64_t n = std::min(kBlock, chunk.end - b);
-        load<P>(a.params[t], b, n, p);
-        load<P>(a.grads[t], b, n, g);
-        load<S>(a.exp_avgs[t], b, n, m);
-        load<S>(a.exp_avg_sqs[t], b, n, v);
-        if constexpr (S == Storage::kHalf) {
-          for (int64_t j = 0; j < n; ++j) v[j] = decode_fourth_root(v[j]);
-        }
-        update_block(p, g, m, v, n, a.hyper, neg_step_size, bc2_sqrt);
-        if constexpr (S == Storage::kHalf) {
-          for (int64_t j = 0; j < n; ++j) v[j] = encode_fourth_root(v[j]);
-        }
-        store<P>(a.params[t], b, n, p, a.stochastic, a.seed, a.offset, stream + 0);
-        store<S>(a.exp_avgs[t], b, n, m, a.stochastic, a.seed, a.offset, stream + 1);
-        store<S>(a.exp_avg_sqs[t], b, n, v, a.stochastic, a.seed, a.offset, stream + 2);
-      }
+      step_range_dispatch(tensors[chunk.tensor], chunk.begin, chunk.end, a.hyper, a.param_storage,
+                          a.state_storage, a.stochastic, a.seed, a.offset);
     }
   });
 }
@@ -139,9 +270,7 @@ void adamw_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList 
   const AdamWArgs a = make_adamw_args(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2,
                                       eps, weight_decay, maximize, stochastic_rounding, seed, offset,
                                       at::kCPU);
-  dispatch_storage(a.param_storage, a.state_storage, [&](auto p, auto s) {
-    adamw_cpu<decltype(p)::value, decltype(s)::value>(a);
-  });
+  adamw_cpu(a);
 }
 
 }  // namespace

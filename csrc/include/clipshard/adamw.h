@@ -8,8 +8,9 @@
 //   v <- v * beta2 + ((1 - beta2) * g) * g
 //   p <- p + (-lr / (1 - beta1^t) * m) / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 // Every operation is a single IEEE-rounded fp32 operation: on CUDA through the explicit _rn
-// intrinsics (never contracted into FMAs), on the host through plain operators (the x86-64 baseline
-// the extension is built for has no FMA instruction to contract into). sqrt and division are
+// intrinsics (never contracted into FMAs), on the host through plain operators or their vector
+// equivalents, never contracted either (csrc/cpu/adamw.cpp is compiled with fp-contract=off; the
+// x86-64 baseline has no FMA instruction anyway). sqrt and division are
 // correctly rounded on both, so the CPU and CUDA results agree bit for bit.
 //
 // Storage: fp32 as is; bf16 and fp16 rounded stochastically (stochastic_rounding.h) or to nearest
@@ -110,15 +111,16 @@ CLIPSHARD_HOST_DEVICE float decode_fourth_root(float q) {
 }
 CLIPSHARD_HOST_DEVICE float encode_fourth_root(float v) { return fsqrt(fsqrt(v)); }
 
-// Exact fp16 bits -> fp32.
+// Exact fp16 bits -> fp32. Selects rather than early returns, so that CPU loops over it vectorise.
 CLIPSHARD_HOST_DEVICE float half_bits_to_float(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
   const uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
-  if (exponent == 0x1fu) return bits_to_float(sign | 0x7f800000u | (mantissa << 13));
-  if (exponent != 0) return bits_to_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
+  const uint32_t inf_nan = 0x7f800000u | (mantissa << 13);
+  const uint32_t normal = ((exponent + 112u) << 23) | (mantissa << 13);
   // zero or subnormal: mantissa * 2^-24, exact in fp32
-  const float magnitude = fmul(static_cast<float>(mantissa), 5.9604644775390625e-8f);
-  return bits_to_float(sign | float_to_bits(magnitude));
+  const float mantissa_f = static_cast<float>(static_cast<int32_t>(mantissa));
+  const uint32_t subnormal = float_to_bits(fmul(mantissa_f, 5.9604644775390625e-8f));
+  return bits_to_float(sign | (exponent == 0x1fu ? inf_nan : (exponent != 0 ? normal : subnormal)));
 }
 CLIPSHARD_HOST_DEVICE float bfloat16_bits_to_float(uint16_t b) {
   return bits_to_float(static_cast<uint32_t>(b) << 16);
