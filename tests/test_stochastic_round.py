@@ -1,5 +1,8 @@
 """Stochastic rounding on CPU: the Philox stream, the exact bit rule, statistics, API behaviour."""
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -242,6 +245,36 @@ def test_kernel_equals_independent_reference(dtype, saturate):
     nan = torch.isnan(x)
     assert torch.equal(torch.isnan(got), nan)
     assert np.array_equal(to_bits(got[~nan]), to_bits(want[~nan]))
+
+
+_ISA_RUN = """
+import sys, torch, clipshard
+from clipshard._random import as_int64
+g = torch.Generator().manual_seed(5)
+x = torch.randn(3 * 4096 * 4 + 1027, generator=g) * 10.0 ** torch.randint(-6, 5, (3 * 4096 * 4 + 1027,), generator=g)
+out = [clipshard.stochastic_round(x, dtype, seed=11, offset=12, saturate=saturate)
+       for dtype in (torch.float16, torch.bfloat16) for saturate in (False, True)]
+out.append(torch.ops.clipshard.philox_words(as_int64(2**64 - 5), 3, 4099, as_int64(2**32 - 37), "kernel"))
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_every_cpu_instruction_set_gives_the_same_bits(tmp_path):
+    """The AVX-512, AVX2 and baseline versions of the rounding loop and of the Philox words
+    (CLIPSHARD_CPU_ISA narrows the choice; a CPU without AVX-512 runs its best path twice) give the
+    same bits, and the words across the block index's carry into the counter's second word match
+    the header's philox_block."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(clipshard.__file__)))
+    results = {}
+    for isa in ("", "avx2", "baseline"):
+        env = dict(os.environ, CLIPSHARD_CPU_ISA=isa, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        path = tmp_path / f"isa_{isa or 'best'}.pt"
+        subprocess.run([sys.executable, "-c", _ISA_RUN, str(path)], env=env, check=True)
+        results[isa] = torch.load(path)
+    for isa in ("avx2", "baseline"):
+        assert all(torch.equal(a, b) for a, b in zip(results[""], results[isa], strict=True)), isa
+    header = words(2**64 - 5, 3, 4099, 2**32 - 37, source="header")
+    assert np.array_equal(results[""][-1].numpy().view(np.uint32), header)
 
 
 # ----------------------------------------------------------------------------- statistics

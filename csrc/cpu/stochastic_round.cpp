@@ -12,13 +12,15 @@
 #include "clipshard/philox.h"
 #include "clipshard/stochastic_rounding.h"
 #include "clipshard/stochastic_round_checks.h"
-#include "philox_batch.h"
+#include "philox_simd.h"
 
 namespace clipshard {
 namespace {
 
 // Philox blocks (4 elements each) per parallel task: 64 KiB of fp32 input.
 constexpr int64_t kBlocksPerTask = 4096;
+// Philox blocks whose words are generated together before the rounding loop reads them (1 KiB).
+constexpr int64_t kBatchBlocks = 64;
 
 template <bool kBf16, bool kSaturate>
 __attribute__((always_inline)) inline uint16_t round_bits(uint32_t bits, uint32_t r) {
@@ -27,72 +29,62 @@ __attribute__((always_inline)) inline uint16_t round_bits(uint32_t bits, uint32_
 
 // Rounds the elements of Philox blocks [begin, end) of a contiguous tensor; element i uses word
 // i % 4 of philox_block(seed, offset, i / 4). The words of a batch of blocks are generated first
-// (`batch`, one of philox_batch.h's generators) and consumed by a second loop, simple enough for
+// (`words`, one of philox_simd.h's generators) and consumed by a second loop, simple enough for
 // the compiler to vectorise. Inlined into each instruction-set version below.
-template <bool kBf16, bool kSaturate, typename Batch>
+template <bool kBf16, bool kSaturate, typename Words>
 __attribute__((always_inline)) inline void round_blocks(const uint32_t* src, uint16_t* dst, int64_t begin,
-                                                        int64_t end, uint64_t seed, uint64_t offset, Batch batch) {
-  uint32_t random[4 * kPhiloxBatchBlocks];
-  for (int64_t first = begin; first < end; first += kPhiloxBatchBlocks) {
-    batch(seed, offset, static_cast<uint64_t>(first), random);
-    const int64_t n = 4 * std::min(kPhiloxBatchBlocks, end - first);
+                                                        int64_t end, uint64_t seed, uint64_t offset, Words words) {
+  uint32_t random[4 * kBatchBlocks];
+  for (int64_t first = begin; first < end; first += kBatchBlocks) {
+    const int64_t blocks = std::min(kBatchBlocks, end - first);
+    words(seed, offset, static_cast<uint64_t>(first), blocks, random);
+    const int64_t n = 4 * blocks;
     const uint32_t* in = src + 4 * first;
     uint16_t* out = dst + 4 * first;
     for (int64_t i = 0; i < n; ++i) out[i] = round_bits<kBf16, kSaturate>(in[i], random[i]);
   }
 }
 
-#define CLIPSHARD_ROUND_BLOCKS_SWITCH(BATCH)                                         \
+#define CLIPSHARD_ROUND_BLOCKS_SWITCH(WORDS)                                         \
   if (bf16) {                                                                        \
-    saturate ? round_blocks<true, true>(src, dst, begin, end, seed, offset, BATCH)   \
-             : round_blocks<true, false>(src, dst, begin, end, seed, offset, BATCH); \
+    saturate ? round_blocks<true, true>(src, dst, begin, end, seed, offset, WORDS)   \
+             : round_blocks<true, false>(src, dst, begin, end, seed, offset, WORDS); \
   } else {                                                                           \
-    saturate ? round_blocks<false, true>(src, dst, begin, end, seed, offset, BATCH)  \
-             : round_blocks<false, false>(src, dst, begin, end, seed, offset, BATCH); \
+    saturate ? round_blocks<false, true>(src, dst, begin, end, seed, offset, WORDS)  \
+             : round_blocks<false, false>(src, dst, begin, end, seed, offset, WORDS); \
   }
 
-// Compiled for AVX2 and for baseline x86-64, picked at load time: the Philox multiplies and the
+// One copy of the rounding loop per instruction set, each with the matching Philox generator: the
 // rule's variable shifts vectorise well only from AVX2 on.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-__attribute__((target_clones("avx2", "default")))
-#endif
-void round_blocks_portable(const uint32_t* src, uint16_t* dst, int64_t begin, int64_t end, uint64_t seed,
+void round_blocks_baseline(const uint32_t* src, uint16_t* dst, int64_t begin, int64_t end, uint64_t seed,
                            uint64_t offset, bool bf16, bool saturate) {
-  const auto batch = [](uint64_t s, uint64_t o, uint64_t f, uint32_t* r) { philox_batch_portable(s, o, f, r); };
-  CLIPSHARD_ROUND_BLOCKS_SWITCH(batch)
+  CLIPSHARD_ROUND_BLOCKS_SWITCH(philox_words_scalar)
 }
 
-#if CLIPSHARD_PHILOX_AVX512
-// One call per batch of 64 blocks: an out-of-line AVX-512 function, so that callers need not be.
-__attribute__((target("avx512f"), noinline)) void philox_words_avx512(uint64_t seed, uint64_t offset,
-                                                                      uint64_t first, uint32_t* random) {
-  philox_batch_avx512(seed, offset, first, random);
+#if defined(CLIPSHARD_PHILOX_SIMD)
+__attribute__((target("avx2"))) void round_blocks_avx2(const uint32_t* src, uint16_t* dst, int64_t begin,
+                                                       int64_t end, uint64_t seed, uint64_t offset, bool bf16,
+                                                       bool saturate) {
+  CLIPSHARD_ROUND_BLOCKS_SWITCH(philox_words_avx2)
 }
 
 __attribute__((target("avx512f"))) void round_blocks_avx512(const uint32_t* src, uint16_t* dst, int64_t begin,
                                                             int64_t end, uint64_t seed, uint64_t offset, bool bf16,
                                                             bool saturate) {
-  const auto batch = [](uint64_t s, uint64_t o, uint64_t f, uint32_t* r) { philox_words_avx512(s, o, f, r); };
-  CLIPSHARD_ROUND_BLOCKS_SWITCH(batch)
+  CLIPSHARD_ROUND_BLOCKS_SWITCH(philox_words_avx512)
 }
 #endif
 #undef CLIPSHARD_ROUND_BLOCKS_SWITCH
 
-bool use_avx512() {
-#if CLIPSHARD_PHILOX_AVX512
-  static const bool available = __builtin_cpu_supports("avx512f");
-  return available;
-#else
-  return false;
-#endif
-}
-
+// The widest version this CPU runs (CLIPSHARD_CPU_ISA narrows the choice, see philox_simd.h).
 void round_blocks_dispatch(const uint32_t* src, uint16_t* dst, int64_t begin, int64_t end, uint64_t seed,
                            uint64_t offset, bool bf16, bool saturate) {
-#if CLIPSHARD_PHILOX_AVX512
-  if (use_avx512()) return round_blocks_avx512(src, dst, begin, end, seed, offset, bf16, saturate);
+#if defined(CLIPSHARD_PHILOX_SIMD)
+  const SimdIsa isa = simd_isa();
+  if (isa == SimdIsa::kAvx512) return round_blocks_avx512(src, dst, begin, end, seed, offset, bf16, saturate);
+  if (isa == SimdIsa::kAvx2) return round_blocks_avx2(src, dst, begin, end, seed, offset, bf16, saturate);
 #endif
-  round_blocks_portable(src, dst, begin, end, seed, offset, bf16, saturate);
+  round_blocks_baseline(src, dst, begin, end, seed, offset, bf16, saturate);
 }
 
 // Rounds a contiguous fp32 tensor into a contiguous 16-bit tensor of the same size.
@@ -140,7 +132,7 @@ void stochastic_round_into_cpu(at::Tensor& dst, const at::Tensor& src, int64_t s
   dst.copy_(buffer);
 }
 
-at::Tensor philox_words(int64_t seed, int64_t offset, int64_t n, int64_t first_block, c10::string_view source) {
+at::Tensor philox_words_op(int64_t seed, int64_t offset, int64_t n, int64_t first_block, c10::string_view source) {
   TORCH_CHECK(n >= 0, "clipshard::philox_words: n must be >= 0, got ", n);
   TORCH_CHECK(source == "kernel" || source == "header" || source == "aten",
               "clipshard::philox_words: source must be 'kernel', 'header' or 'aten', got '", source, "'");
@@ -148,28 +140,23 @@ at::Tensor philox_words(int64_t seed, int64_t offset, int64_t n, int64_t first_b
   auto* words = static_cast<uint32_t*>(out.mutable_data_ptr());
   const auto key = static_cast<uint64_t>(seed), high = static_cast<uint64_t>(offset);
   const auto first = static_cast<uint64_t>(first_block);
-  uint32_t random[4 * kPhiloxBatchBlocks];
+  if (source == "kernel") {  // philox_simd.h's generator on this CPU, in the rounding kernel's batches
+    uint32_t random[4 * kBatchBlocks];
+    for (int64_t i = 0; i < n; i += 4 * kBatchBlocks) {
+      const int64_t count = std::min(4 * kBatchBlocks, n - i);
+      philox_words(key, high, first + static_cast<uint64_t>(i / 4), (count + 3) / 4, random);
+      std::copy(random, random + count, words + i);
+    }
+    return out;
+  }
   for (int64_t i = 0; i < n; ++i) {
     const uint64_t block = first + static_cast<uint64_t>(i / 4);
     if (source == "aten") {
       at::Philox4_32 engine(key, /*subsequence=*/high, /*offset=*/block);
       for (int64_t j = 0; j < i % 4; ++j) engine();
       words[i] = engine();
-    } else if (source == "header") {
+    } else {
       words[i] = philox_block(key, high, block).w[i % 4];
-    } else {  // the batch generator the CPU rounding kernel uses on this machine
-      const int64_t in_batch = i % (4 * kPhiloxBatchBlocks);
-      if (in_batch == 0) {
-#if CLIPSHARD_PHILOX_AVX512
-        if (use_avx512()) {
-          philox_words_avx512(key, high, block, random);
-        } else
-#endif
-        {
-          philox_batch_portable(key, high, block, random);
-        }
-      }
-      words[i] = random[in_batch];
     }
   }
   return out;
@@ -185,5 +172,5 @@ TORCH_LIBRARY_IMPL(clipshard, CPU, m) {
 
 // No tensor arguments, so no backend to dispatch on: one kernel for every key.
 TORCH_LIBRARY_IMPL(clipshard, CompositeExplicitAutograd, m) {
-  m.impl("philox_words", &clipshard::philox_words);
+  m.impl("philox_words", &clipshard::philox_words_op);
 }
