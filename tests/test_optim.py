@@ -2,9 +2,6 @@
 fp64 step, unbiasedness, the stall that stochastic rounding prevents, the fp16 second-moment
 encoding, state_dict round trips, reproducibility and errors."""
 import io
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,6 +9,7 @@ import torch
 import clipshard  # noqa: F401
 from clipshard.optim import AdamW, second_moment_key, to_half_precision_
 from clipshard.reference import adamw_step_reference, half_neighbours, stall_regression
+from isa_utils import assert_same_bits_on_every_isa, run_under_each_isa
 
 HALF = (torch.float16, torch.bfloat16)
 HYPER = dict(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05)
@@ -220,15 +218,8 @@ torch.save(out, sys.argv[1])
 def test_every_cpu_instruction_set_gives_the_same_bits(tmp_path):
     """The AVX-512, AVX2 and baseline code paths (CLIPSHARD_CPU_ISA narrows the choice; a CPU
     without AVX-512 runs its best path twice) give the same bits for every storage pair."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(clipshard.__file__)))
-    results = {}
-    for isa in ("", "avx2", "baseline"):
-        env = dict(os.environ, CLIPSHARD_CPU_ISA=isa, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        path = tmp_path / f"isa_{isa or 'best'}.pt"
-        subprocess.run([sys.executable, "-c", _ISA_RUN, str(path)], env=env, check=True)
-        results[isa] = torch.load(path)
-    for isa in ("avx2", "baseline"):
-        assert all(torch.equal(a, b) for a, b in zip(results[""], results[isa], strict=True)), isa
+    results = run_under_each_isa(_ISA_RUN, tmp_path)
+    assert_same_bits_on_every_isa(results)
 
 
 @pytest.mark.parametrize("dtype", HALF)

@@ -1,8 +1,5 @@
 """Stochastic rounding on CPU: the Philox stream, the exact bit rule, statistics, API behaviour."""
 import math
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -11,6 +8,7 @@ import torch
 import clipshard
 from clipshard import reference
 from clipshard.rounding import stochastic_round, stochastic_round_
+from isa_utils import assert_same_bits_on_every_isa, run_under_each_isa
 
 DTYPES = [torch.float16, torch.bfloat16]
 U32 = 0xFFFFFFFF
@@ -264,15 +262,8 @@ def test_every_cpu_instruction_set_gives_the_same_bits(tmp_path):
     (CLIPSHARD_CPU_ISA narrows the choice; a CPU without AVX-512 runs its best path twice) give the
     same bits, and the words across the block index's carry into the counter's second word match
     the header's philox_block."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(clipshard.__file__)))
-    results = {}
-    for isa in ("", "avx2", "baseline"):
-        env = dict(os.environ, CLIPSHARD_CPU_ISA=isa, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        path = tmp_path / f"isa_{isa or 'best'}.pt"
-        subprocess.run([sys.executable, "-c", _ISA_RUN, str(path)], env=env, check=True)
-        results[isa] = torch.load(path)
-    for isa in ("avx2", "baseline"):
-        assert all(torch.equal(a, b) for a, b in zip(results[""], results[isa], strict=True)), isa
+    results = run_under_each_isa(_ISA_RUN, tmp_path)
+    assert_same_bits_on_every_isa(results)
     header = words(2**64 - 5, 3, 4099, 2**32 - 37, source="header")
     assert np.array_equal(results[""][-1].numpy().view(np.uint32), header)
 
