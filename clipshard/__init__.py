@@ -1,4 +1,4 @@
-"""clipshard: sharded, fused CLIP contrastive loss, stochastic rounding and half-precision AdamW."""
+"""clipshard: sharded, fused CLIP contrastive and SigLIP losses, stochastic rounding and half-precision AdamW."""
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
@@ -6,6 +6,9 @@ from clipshard import optim  # noqa: F401  (clipshard.optim.AdamW, to_half_preci
 from clipshard.fused_op import contrastive_lse
 from clipshard.loss import ClipLoss, clip_loss
 from clipshard.rounding import stochastic_round, stochastic_round_
+from clipshard.siglip import SigLipLoss, siglip_loss
+from clipshard.siglip_op import siglip_sum
 
 __version__ = "0.1.0"
-__all__ = ["ClipLoss", "clip_loss", "contrastive_lse", "optim", "stochastic_round", "stochastic_round_"]
+__all__ = ["ClipLoss", "SigLipLoss", "clip_loss", "contrastive_lse", "optim", "siglip_loss", "siglip_sum",
+           "stochastic_round", "stochastic_round_"]
