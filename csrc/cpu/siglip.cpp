@@ -172,8 +172,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> siglip_fo
   });
   const at::Tensor loss_sum = at::scalar_tensor(sum_in_order(loss), A.options());
   if (!with_grad) {
-    const at::Tensor none = at::empty({0}, scale.options());
-    return {loss_sum, grad_rows, grad_cols, none, none};
+    return {loss_sum, grad_rows, grad_cols, at::empty({0}, scale.options()), at::empty({0}, scale.options())};
   }
   const at::Tensor g_scale = at::scalar_tensor(sum_in_order(grad_scale), scale.options());
   const at::Tensor g_bias = bias.has_value() ? at::scalar_tensor(sum_in_order(grad_bias), bias->options())

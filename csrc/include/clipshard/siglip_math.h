@@ -6,7 +6,7 @@
 //   gradient   d/dl        = -z * sigmoid(t),  sigmoid(t) = (t >= 0 ? 1 : e) / (1 + e), e = exp(-|t|)
 // One exponential serves both, and e <= 1 keeps every step finite for any finite logit (scales up to
 // 100 and |bias| up to 20 give |l| ~ 120). NaN logits give NaN for both; t = +Inf gives (Inf, -z),
-// t = -Inf gives (0, 0) up to e's floor of 2^-126 (see siglip_exp_neg).
+// t = -Inf gives (0, 0).
 //
 // The fp32 versions are written as straight-line selects and polynomials (no library calls, no
 // branches), so that a CPU loop over them vectorises; the fp64 versions call the C library and serve
@@ -41,18 +41,18 @@ CLIPSHARD_HOST_DEVICE int32_t siglip_bits_of(float f) {
 }
 
 // exp(-a) for a >= 0 (NaN allowed: the result is then meaningless and the caller overrides it).
-// a is clamped to 87, so the result never falls below e^-87 ~ 1.6e-38 (a normal float): values
-// below that are far under every term they are added to. Otherwise a = n ln2 + r with |r| <= ln2/2
-// (Cody-Waite split of ln2) and exp(-a) = 2^-n * exp(-r), exp(-r) by its degree-7 Taylor polynomial
-// (truncation error < 6e-9 relative); a few ulp overall. n = round(a / ln2) comes from adding
-// 1.5 * 2^23, which leaves the integer in the low mantissa bits (float arithmetic only: GCC does not
-// vectorise the loop when a float -> int conversion follows the clamp).
+// a = n ln2 + r with |r| <= ln2/2 (Cody-Waite split of ln2) and exp(-a) = 2^-n * exp(-r), exp(-r)
+// by its degree-7 Taylor polynomial (truncation error < 6e-9 relative); a few ulp overall. a is
+// clamped to 104, past which exp(-a) rounds to 0; 2^-n is applied as two normal factors, so results
+// down in the subnormal range are rounded once. n = round(a / ln2) comes from adding 1.5 * 2^23,
+// which leaves the integer in the low mantissa bits (float arithmetic only: GCC does not vectorise
+// the loop when a float -> int conversion follows the clamp).
 CLIPSHARD_HOST_DEVICE float siglip_exp_neg(float a) {
   constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
-  a = a < 87.0f ? a : 87.0f;             // NaN -> 87 as well
+  a = a < 104.0f ? a : 104.0f;           // NaN -> 104 as well
   const float shifted = a * 1.44269504089f + kRound;
   const float nf = shifted - kRound;
-  const int32_t n = siglip_bits_of(shifted) - siglip_bits_of(kRound);  // 0 <= n <= 126
+  const int32_t n = siglip_bits_of(shifted) - siglip_bits_of(kRound);  // 0 <= n <= 150
   const float x = nf * 0.693145751953125f - a + nf * 1.42860682030941723e-06f;  // -r: ln2 = hi + lo
   float p = 1.0f / 5040.0f;
   p = p * x + 1.0f / 720.0f;
@@ -62,14 +62,16 @@ CLIPSHARD_HOST_DEVICE float siglip_exp_neg(float a) {
   p = p * x + 0.5f;
   p = p * x + 1.0f;
   p = p * x + 1.0f;
-  return p * siglip_float_from_bits((127 - n) << 23);  // times 2^-n
+  const int32_t n_half = n >> 1;
+  return p * siglip_float_from_bits((127 - n_half) << 23) * siglip_float_from_bits((127 - (n - n_half)) << 23);
 }
 
 // log1p(e) for 0 <= e <= 1: log(1 + e) = 2 atanh(s), s = e / (2 + e) <= 1/3, by the atanh series
 // 2 s (1 + s^2/3 + s^4/5 + ... + s^14/15); the first omitted term is below 2e-9 relative. No
-// cancellation, so tiny e keep their full relative precision.
+// cancellation, and e multiplies last, so tiny (even subnormal) e keep their relative precision.
 CLIPSHARD_HOST_DEVICE float siglip_log1p_unit(float e) {
-  const float s = e / (2.0f + e);
+  const float w = 2.0f / (2.0f + e);  // 2 s = e * w
+  const float s = 0.5f * e * w;
   const float s2 = s * s;
   float p = 1.0f / 15.0f;
   p = p * s2 + 1.0f / 13.0f;
@@ -79,7 +81,7 @@ CLIPSHARD_HOST_DEVICE float siglip_log1p_unit(float e) {
   p = p * s2 + 1.0f / 5.0f;
   p = p * s2 + 1.0f / 3.0f;
   p = p * s2 + 1.0f;
-  return 2.0f * s * p;
+  return e * (w * p);
 }
 
 // softplus(-z * l) and its derivative with respect to l, for z = +1 (positive) or -1.
