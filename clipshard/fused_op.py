@@ -4,18 +4,17 @@
 log-sum-exps, the positive logits S[i, pos_offset + i] and the column log-sum-exps over these rows,
 without ever materialising S (docs/fused_loss.md).
 
-Environment: CLIPSHARD_TENSOR_CORES=1 lets the CUDA kernels use their tensor-core (mma) path. It is
-off by default until that path has been verified on a GPU; the module-level `TENSOR_CORES` switch
-can also be set at run time. On CPU it has no effect.
+Two algorithms (docs/fused_loss_cuda.md): "fused" tile kernels that never leave a tile (the CPU
+default; on CUDA the hand-written FMA / mma.sync kernels), and "chunked": per chunk of Kc columns a
+cuBLAS GEMM into a bounded fp32 workspace, then one fused elementwise kernel (the CUDA default).
 """
-import os
-
 import torch
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
 from clipshard._checks import check_feature_pair
+from clipshard._workspace import workspace_bytes as _workspace_bytes
 
-TENSOR_CORES = os.environ.get("CLIPSHARD_TENSOR_CORES", "0") == "1"
+ALGORITHMS = ("auto", "fused", "chunked")
 
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -26,7 +25,7 @@ def _acc_dtype(dtype):
 
 
 @torch.library.register_fake("clipshard::contrastive_lse_forward")
-def _forward_fake(rows, cols, scale, bias, pos_offset, want_col_lse, allow_tf32, tensor_cores, deterministic):
+def _forward_fake(rows, cols, scale, bias, pos_offset, want_col_lse, algorithm, workspace_bytes, deterministic):
     torch._check(rows.dim() == 2 and cols.dim() == 2, lambda: "contrastive_lse_forward: rows and cols must be 2-D")
     torch._check(rows.shape[1] == cols.shape[1],
                  lambda: "contrastive_lse_forward: rows and cols must have the same feature size D")
@@ -38,19 +37,19 @@ def _forward_fake(rows, cols, scale, bias, pos_offset, want_col_lse, allow_tf32,
 
 @torch.library.register_fake("clipshard::contrastive_lse_backward")
 def _backward_fake(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, pos_offset, row_lse,
-                   col_lse, allow_tf32, tensor_cores, deterministic):
+                   col_lse, algorithm, workspace_bytes, deterministic):
     grad_bias = bias.new_empty(()) if bias is not None else scale.new_empty(())
     return rows.new_empty(rows.shape), cols.new_empty(cols.shape), scale.new_empty(()), grad_bias
 
 
 def _setup_context(ctx, inputs, output):
-    rows, cols, scale, bias, pos_offset, want_col_lse, allow_tf32, tensor_cores, deterministic = inputs
+    rows, cols, scale, bias, pos_offset, want_col_lse, algorithm, workspace_bytes, deterministic = inputs
     row_lse, _, col_lse = output
     ctx.save_for_backward(rows, cols, scale, bias, row_lse, col_lse if want_col_lse else None)
     ctx.pos_offset = pos_offset
     ctx.want_col_lse = want_col_lse
-    ctx.allow_tf32 = allow_tf32
-    ctx.tensor_cores = tensor_cores
+    ctx.algorithm = algorithm
+    ctx.workspace_bytes = workspace_bytes
     ctx.deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
 
 
@@ -65,7 +64,7 @@ def _backward(ctx, grad_row_lse, grad_pos_logit, grad_col_lse):
         grad_col_lse = None
     grad_rows, grad_cols, grad_scale, grad_bias = torch.ops.clipshard.contrastive_lse_backward(
         grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, ctx.pos_offset, row_lse,
-        col_lse, ctx.allow_tf32, ctx.tensor_cores, ctx.deterministic)
+        col_lse, ctx.algorithm, ctx.workspace_bytes, ctx.deterministic)
     return grad_rows, grad_cols, grad_scale, grad_bias if bias is not None else None, None, None, None, None, None
 
 
@@ -105,7 +104,17 @@ def _check_features(rows, cols, pos_offset):
                          f"(M = {m}, K = {k}), got {pos_offset}")
 
 
-def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=True, *, deterministic=False):
+def resolve_algorithm(fn, algorithm, device):
+    """"auto" is "chunked" on CUDA and "fused" elsewhere; anything else must be a known name."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"{fn}: algorithm must be one of {', '.join(map(repr, ALGORITHMS))}, got {algorithm!r}")
+    if algorithm == "auto":
+        return "chunked" if device.type == "cuda" else "fused"
+    return algorithm
+
+
+def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=True, *, algorithm="auto",
+                    workspace_bytes=None, deterministic=False):
     """Fused S = scale * rows @ cols^T (+ bias) reduced to log-sum-exps, never materialising S.
 
     Args:
@@ -115,8 +124,14 @@ def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=Tru
         bias: optional logit bias added to every logit (float or 0-dim tensor; differentiable).
         pos_offset: row i's positive is column pos_offset + i (0 <= pos_offset, pos_offset + M <= K).
         want_col_lse: also return the column log-sum-exps over these M rows.
-        deterministic: ask the backward for its deterministic path (the CPU kernel always is; on CUDA
-            it avoids float atomics). torch.use_deterministic_algorithms(True) has the same effect.
+        algorithm: "auto" (default: "chunked" on CUDA, "fused" on the CPU), "fused" (tile kernels;
+            on CUDA the hand-written FMA kernels, with tensor cores for fp16/bf16 when D % 8 == 0)
+            or "chunked" (cuBLAS GEMMs over column chunks, fused elementwise kernels; on fp32 CUDA
+            inputs TF32 follows torch.backends.cuda.matmul.allow_tf32).
+        workspace_bytes: memory budget of the chunked algorithm's workspace (default 256 MiB on
+            CUDA, 32 MiB on the CPU); its chunks are the widest multiple of 128 columns that fits.
+        deterministic: kept for a future non-deterministic backward; every current path is
+            deterministic (no float atomics, fixed reduction order).
 
     Returns:
         (row_lse [M], pos_logit [M], col_lse [K], or an empty tensor when not wanted), fp32 — fp64
@@ -126,6 +141,7 @@ def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=Tru
     scale = _check_scalar("scale", scale, rows)
     if bias is not None:
         bias = _check_scalar("bias", bias, rows)
+    algorithm = resolve_algorithm("contrastive_lse", algorithm, rows.device)
+    budget = _workspace_bytes("contrastive_lse", rows.device, workspace_bytes)
     return torch.ops.clipshard.contrastive_lse_forward(rows, cols, scale, bias, pos_offset, want_col_lse,
-                                                       torch.backends.cuda.matmul.allow_tf32, TENSOR_CORES,
-                                                       deterministic)
+                                                       algorithm, budget, deterministic)

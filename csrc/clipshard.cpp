@@ -33,10 +33,13 @@ TORCH_LIBRARY(clipshard, m) {
   // Fused similarity + online log-sum-exp (docs/fused_loss.md). S = scale * rows @ cols^T (+ bias).
   // Forward: row_lse[i] = logsumexp_j S[i, j]; pos_logit[i] = S[i, pos_offset + i]; col_lse[j] =
   // logsumexp_i S[i, j] over these rows when want_col_lse, else an empty tensor. Never stores S.
-  // `deterministic` says how the backward should run (autograd hands it on); the forward ignores it.
+  // algorithm: "fused" (tile kernels: the CPU default) or "chunked" (GEMMs over column chunks with
+  // fused elementwise kernels, an O(M x Kc) workspace of at most about workspace_bytes: the CUDA
+  // default; docs/fused_loss_cuda.md). `deterministic` is handed on to the backward; every current
+  // path is deterministic.
   m.def(
       "contrastive_lse_forward(Tensor rows, Tensor cols, Tensor scale, Tensor? bias, int pos_offset, "
-      "bool want_col_lse, bool allow_tf32, bool tensor_cores, bool deterministic) -> (Tensor row_lse, "
+      "bool want_col_lse, str algorithm, int workspace_bytes, bool deterministic) -> (Tensor row_lse, "
       "Tensor pos_logit, Tensor col_lse)");
   // Backward: dS[i, j] = grad_row_lse[i] * exp(S[i, j] - row_lse[i])
   //                    + grad_col_lse[j] * exp(S[i, j] - col_lse[j]) + grad_pos_logit[i] * [j == pos(i)],
@@ -44,7 +47,7 @@ TORCH_LIBRARY(clipshard, m) {
   m.def(
       "contrastive_lse_backward(Tensor grad_row_lse, Tensor grad_pos_logit, Tensor? grad_col_lse, "
       "Tensor rows, Tensor cols, Tensor scale, Tensor? bias, int pos_offset, Tensor row_lse, "
-      "Tensor? col_lse, bool allow_tf32, bool tensor_cores, bool deterministic) -> (Tensor grad_rows, "
+      "Tensor? col_lse, str algorithm, int workspace_bytes, bool deterministic) -> (Tensor grad_rows, "
       "Tensor grad_cols, Tensor grad_scale, Tensor grad_bias)");
 
   // SigLIP (docs/siglip.md): loss_sum = sum_{i < M, j < K} softplus(-z_ij * l_ij) with l_ij = scale *

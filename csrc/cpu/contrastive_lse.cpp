@@ -20,6 +20,10 @@
 #include <tuple>
 #include <vector>
 
+#include "clipshard/online_lse.h"
+#include "contrastive_lse_chunked.h"
+#include "../chunked/algorithm.h"
+
 namespace clipshard {
 namespace {
 
@@ -40,23 +44,10 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 template <typename acc_t>
 acc_t finite_or_zero(acc_t x) { return std::isfinite(x) ? x : acc_t(0); }
 
-// sum * exp(shift) with shift <= 0, keeping an infinite sum infinite (exp may underflow to 0).
+// The maximum of an OnlineLse state that holds sum = sum exp(x - finite_or_zero(m)) for a
+// row's or column's maximum m: its finite maximum, or -inf when m is not finite (reference 0).
 template <typename acc_t>
-acc_t rescale(acc_t sum, acc_t shift) { return std::isinf(sum) ? sum : sum * std::exp(shift); }
-
-// A log-sum-exp kept as (ref, sum) with lse = ref + log(sum). `ref` starts at -inf (empty) and is
-// always finite afterwards; Inf and NaN logits travel through `sum` (Inf or NaN), so they propagate.
-template <typename acc_t>
-void lse_merge(acc_t& ref, acc_t& sum, acc_t ref2, acc_t sum2) {
-  if (ref == -std::numeric_limits<acc_t>::infinity()) {
-    ref = ref2;
-    sum = sum2;
-    return;
-  }
-  const acc_t m = std::max(ref, ref2);
-  sum = rescale(sum, ref - m) + rescale(sum2, ref2 - m);
-  ref = m;
-}
+acc_t state_max(acc_t m) { return std::isfinite(m) ? m : -std::numeric_limits<acc_t>::infinity(); }
 
 // Contiguous [n x m] view of the start of a flat scratch buffer.
 at::Tensor scratch_view(const at::Tensor& buffer, int64_t n, int64_t m) {
@@ -136,9 +127,9 @@ void forward_impl(const at::Tensor& A, const at::Tensor& B, acc_t scale, int64_t
   const int64_t n_blocks = ceil_div(M, kRowBlock);
   const int64_t n_chunks = std::min<int64_t>(at::get_num_threads(), n_blocks);
   const auto opts = A.options();
-  constexpr acc_t kNegInf = -std::numeric_limits<acc_t>::infinity();
-  // Partial column LSE of each chunk, (ref, sum) per column.
-  std::vector<acc_t> col_ref(want_col ? n_chunks * K : 0, kNegInf), col_sum(want_col ? n_chunks * K : 0, 0);
+  using Lse = OnlineLse<acc_t>;
+  // Partial column LSE of each chunk, one state per column.
+  std::vector<Lse> col_state(want_col ? n_chunks * K : 0, Lse::empty());
 
   const at::ThreadLocalState caller_state;  // worker threads do not inherit it (profiler, dispatch)
   at::parallel_for(0, n_chunks, 1, [&](int64_t c_begin, int64_t c_end) {
@@ -146,16 +137,15 @@ void forward_impl(const at::Tensor& A, const at::Tensor& B, acc_t scale, int64_t
     at::Tensor tile_buf = at::empty({kRowBlock * kColBlock}, opts);
     at::Tensor exp_buf = at::empty({kRowBlock * kColBlock}, opts);
     at::Tensor row_vec = at::empty({kRowBlock}, opts), col_vec = at::empty({kColBlock}, opts);
-    std::vector<acc_t> r_ref(kRowBlock), r_sum(kRowBlock), shift(std::max(kRowBlock, kColBlock));
+    std::vector<Lse> r_state(kRowBlock);
+    std::vector<acc_t> shift(std::max(kRowBlock, kColBlock)), peak(std::max(kRowBlock, kColBlock));
     for (int64_t c = c_begin; c < c_end; ++c) {
-      acc_t* c_ref = want_col ? col_ref.data() + c * K : nullptr;
-      acc_t* c_sum = want_col ? col_sum.data() + c * K : nullptr;
+      Lse* c_state = want_col ? col_state.data() + c * K : nullptr;
       const auto [blk_begin, blk_end] = chunk_blocks(c, n_chunks, n_blocks);
       for (int64_t blk = blk_begin; blk < blk_end; ++blk) {
         const int64_t i0 = blk * kRowBlock, bm = std::min(kRowBlock, M - i0);
         const at::Tensor a = A.narrow(0, i0, bm);
-        std::fill(r_ref.begin(), r_ref.end(), kNegInf);
-        std::fill(r_sum.begin(), r_sum.end(), acc_t(0));
+        std::fill(r_state.begin(), r_state.end(), Lse::empty());
         for (int64_t j0 = 0; j0 < K; j0 += kColBlock) {
           const int64_t bk = std::min(kColBlock, K - j0);
           at::Tensor tile = scratch_view(tile_buf, bm, bk);
@@ -172,11 +162,11 @@ void forward_impl(const at::Tensor& A, const at::Tensor& B, acc_t scale, int64_t
             tile.sub_(hi).exp_();
             at::sum_out(rows_out, tile, 1);
             const acc_t* rs = rows_out.data_ptr<acc_t>();
-            for (int64_t i = 0; i < bm; ++i) lse_merge(r_ref[i], r_sum[i], hi, rs[i]);
+            for (int64_t i = 0; i < bm; ++i) r_state[i].merge({hi, rs[i]});
             if (want_col) {
               at::sum_out(cols_out, tile, 0);
               const acc_t* cs = cols_out.data_ptr<acc_t>();
-              for (int64_t j = 0; j < bk; ++j) lse_merge(c_ref[j0 + j], c_sum[j0 + j], hi, cs[j]);
+              for (int64_t j = 0; j < bk; ++j) c_state[j0 + j].merge({hi, cs[j]});
             }
             continue;
           }
@@ -184,22 +174,22 @@ void forward_impl(const at::Tensor& A, const at::Tensor& B, acc_t scale, int64_t
           if (want_col) {
             at::amax_out(cols_out, tile, 0);
             const acc_t* cm = cols_out.data_ptr<acc_t>();
-            for (int64_t j = 0; j < bk; ++j) shift[j] = finite_or_zero(cm[j]);
+            for (int64_t j = 0; j < bk; ++j) shift[j] = finite_or_zero(cm[j]), peak[j] = state_max(cm[j]);
             at::Tensor e = scratch_view(exp_buf, bm, bk);
             at::sub_out(e, tile, at::from_blob(shift.data(), {1, bk}, opts)).exp_();
             at::sum_out(cols_out, e, 0);
             const acc_t* cs = cols_out.data_ptr<acc_t>();
-            for (int64_t j = 0; j < bk; ++j) lse_merge(c_ref[j0 + j], c_sum[j0 + j], shift[j], cs[j]);
+            for (int64_t j = 0; j < bk; ++j) c_state[j0 + j].merge({peak[j], cs[j]});
           }
           at::amax_out(rows_out, tile, 1);
           const acc_t* rm = rows_out.data_ptr<acc_t>();
-          for (int64_t i = 0; i < bm; ++i) shift[i] = finite_or_zero(rm[i]);
+          for (int64_t i = 0; i < bm; ++i) shift[i] = finite_or_zero(rm[i]), peak[i] = state_max(rm[i]);
           tile.sub_(at::from_blob(shift.data(), {bm, 1}, opts)).exp_();
           at::sum_out(rows_out, tile, 1);
           const acc_t* rs = rows_out.data_ptr<acc_t>();
-          for (int64_t i = 0; i < bm; ++i) lse_merge(r_ref[i], r_sum[i], shift[i], rs[i]);
+          for (int64_t i = 0; i < bm; ++i) r_state[i].merge({peak[i], rs[i]});
         }
-        for (int64_t i = 0; i < bm; ++i) row_lse[i0 + i] = r_ref[i] + std::log(r_sum[i]);
+        for (int64_t i = 0; i < bm; ++i) row_lse[i0 + i] = r_state[i].value();
       }
     }
   });
@@ -207,9 +197,9 @@ void forward_impl(const at::Tensor& A, const at::Tensor& B, acc_t scale, int64_t
   if (want_col) {  // merge the chunks' partial column LSEs in chunk order
     at::parallel_for(0, K, 1024, [&](int64_t j_begin, int64_t j_end) {
       for (int64_t j = j_begin; j < j_end; ++j) {
-        acc_t ref = col_ref[j], sum = col_sum[j];
-        for (int64_t c = 1; c < n_chunks; ++c) lse_merge(ref, sum, col_ref[c * K + j], col_sum[c * K + j]);
-        col_lse[j] = ref + std::log(sum);
+        Lse state = col_state[j];
+        for (int64_t c = 1; c < n_chunks; ++c) state.merge(col_state[c * K + j]);
+        col_lse[j] = state.value();
       }
     });
   }
@@ -217,20 +207,27 @@ void forward_impl(const at::Tensor& A, const at::Tensor& B, acc_t scale, int64_t
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> contrastive_lse_forward_cpu(
     const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
-    int64_t pos_offset, bool want_col_lse, bool /*allow_tf32: CUDA only*/, bool /*tensor_cores: CUDA only*/,
-    bool /*deterministic: for the backward*/) {
+    int64_t pos_offset, bool want_col_lse, c10::string_view algorithm, int64_t workspace_bytes,
+    bool /*deterministic: every CPU path is*/) {
   const char* op = "contrastive_lse_forward";
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal tensor maths is not differentiated
   check_inputs(op, rows, cols, scale, bias, pos_offset);
+  const bool chunked = parse_algorithm(op, algorithm) == Algorithm::kChunked;
   const auto acc = acc_type_of(rows.scalar_type());
   const at::Tensor A = rows.to(acc).contiguous(), B = cols.to(acc).contiguous();
   const int64_t M = A.size(0), K = B.size(0);
-  at::Tensor row_lse = at::empty({M}, A.options()), pos_logit = at::empty({M}, A.options());
-  at::Tensor col_lse = at::empty({want_col_lse ? K : 0}, A.options());
-  AT_DISPATCH_FLOATING_TYPES(acc, "contrastive_lse_forward_cpu", [&] {
-    forward_impl<scalar_t>(A, B, scale.item<scalar_t>(), pos_offset, want_col_lse, row_lse.data_ptr<scalar_t>(),
-                           pos_logit.data_ptr<scalar_t>(), want_col_lse ? col_lse.data_ptr<scalar_t>() : nullptr);
-  });
+  at::Tensor row_lse, pos_logit, col_lse;
+  if (chunked) {
+    std::tie(row_lse, pos_logit, col_lse) = contrastive_lse_forward_chunked_cpu(
+        A, B, scale.item<double>(), pos_offset, want_col_lse, workspace_bytes);
+  } else {
+    row_lse = at::empty({M}, A.options()), pos_logit = at::empty({M}, A.options());
+    col_lse = at::empty({want_col_lse ? K : 0}, A.options());
+    AT_DISPATCH_FLOATING_TYPES(acc, "contrastive_lse_forward_cpu", [&] {
+      forward_impl<scalar_t>(A, B, scale.item<scalar_t>(), pos_offset, want_col_lse, row_lse.data_ptr<scalar_t>(),
+                             pos_logit.data_ptr<scalar_t>(), want_col_lse ? col_lse.data_ptr<scalar_t>() : nullptr);
+    });
+  }
   if (bias.has_value()) {  // a constant logit shift moves every LSE and positive by the same amount
     const at::Tensor b = bias->to(acc);
     row_lse.add_(b);
@@ -363,10 +360,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> contrastive_lse_backw
     const at::Tensor& grad_row_lse, const at::Tensor& grad_pos_logit, const std::optional<at::Tensor>& grad_col_lse,
     const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
     int64_t pos_offset, const at::Tensor& row_lse, const std::optional<at::Tensor>& col_lse,
-    bool /*allow_tf32: CUDA only*/, bool /*tensor_cores: CUDA only*/, bool /*deterministic: always on CPU*/) {
+    c10::string_view algorithm, int64_t workspace_bytes, bool /*deterministic: every CPU path is*/) {
   const char* op = "contrastive_lse_backward";
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   check_inputs(op, rows, cols, scale, bias, pos_offset);
+  const bool chunked = parse_algorithm(op, algorithm) == Algorithm::kChunked;
   const int64_t M = rows.size(0), K = cols.size(0);
   check_vector(op, "grad_row_lse", grad_row_lse, M, rows);
   check_vector(op, "grad_pos_logit", grad_pos_logit, M, rows);
@@ -391,6 +389,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> contrastive_lse_backw
   const at::Tensor r_unbiased = bias.has_value() ? r_lse - b_acc : r_lse;
   const at::Tensor c_unbiased = with_col && bias.has_value() ? c_lse - b_acc : c_lse;
 
+  if (chunked) {
+    auto [grad_rows, grad_cols, grad_scale, grad_bias] = contrastive_lse_backward_chunked_cpu(
+        g_row, g_pos, g_col, A, B, scale.item<double>(), pos_offset, r_unbiased, c_unbiased, workspace_bytes);
+    return {grad_rows.to(rows.scalar_type()), grad_cols.to(cols.scalar_type()),
+            at::scalar_tensor(grad_scale, scale.options()),
+            at::scalar_tensor(bias.has_value() ? grad_bias : 0.0, bias.has_value() ? bias->options() : scale.options())};
+  }
   // For fp32 inputs the gradients are accumulated straight into the outputs.
   at::Tensor G = at::zeros({M, A.size(1)}, A.options()), Gc = at::empty({K, A.size(1)}, A.options());
   at::Tensor grad_scale, grad_bias;

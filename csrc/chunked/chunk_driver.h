@@ -1,0 +1,120 @@
+// The chunk driver shared by the chunked losses on CPU and CUDA (docs/fused_loss_cuda.md).
+//
+// The K columns are processed in chunks of kc. For each chunk one GEMM writes the chunk's raw
+// similarities rows @ cols_chunk^T into a reused fp32 workspace (fp64 for fp64 inputs; on CUDA
+// 16-bit inputs go through ATen's out_dtype GEMM, so the similarities are never rounded to 16
+// bits); a loss-specific callback then reads the chunk. The gradient pass adds two GEMMs per
+// chunk: grad_rows += dlogits @ cols_chunk (an fp32 accumulator, beta = 1) and
+// grad_cols[chunk] = dlogits^T @ rows. Memory beyond inputs and outputs is O(M x kc), never
+// O(M x K); everything runs on the current stream with no host synchronisation.
+//
+// Device-agnostic on purpose: the GEMMs are ATen calls, so the same driver runs on the CPU (where
+// callers pass fp32/fp64 inputs) and on CUDA, and every CI run tests its chunk bookkeeping.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+
+namespace clipshard::chunked {
+
+// Chunk widths are multiples of this (or K itself when K is smaller).
+constexpr int64_t kColumnQuantum = 128;
+
+// Columns per chunk: the largest multiple of kColumnQuantum with M * kc * bytes_per_logit <=
+// budget_bytes, but at least kColumnQuantum (a huge M may then exceed the budget) and at most K.
+inline int64_t chunk_columns(int64_t M, int64_t K, int64_t bytes_per_logit, int64_t budget_bytes) {
+  TORCH_CHECK(budget_bytes > 0, "workspace_bytes must be positive, got ", budget_bytes);
+  TORCH_CHECK(M > 0 && K > 0 && bytes_per_logit > 0, "chunk_columns: need M, K, bytes_per_logit >= 1");
+  const int64_t fit = budget_bytes / bytes_per_logit / M;
+  return std::min(K, std::max(fit / kColumnQuantum * kColumnQuantum, kColumnQuantum));
+}
+
+// Columns [begin, begin + width) of the similarity matrix.
+struct Chunk {
+  int64_t begin;
+  int64_t width;
+  at::Tensor dots;  // M x width, contiguous: rows @ cols[begin : begin + width]^T, no scale, no bias
+};
+
+// fp64 inputs keep fp64; everything else is accumulated in fp32.
+inline at::ScalarType accumulate_type(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// A contiguous n x m view of the start of a flat workspace.
+inline at::Tensor workspace_view(const at::Tensor& flat, int64_t n, int64_t m) {
+  return flat.narrow(0, 0, n * m).view({n, m});
+}
+
+// out = a @ b in out's dtype (fp32 out of 16-bit inputs on CUDA: ATen's mm.dtype_out).
+inline void mm_into(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() == out.scalar_type()) {
+    at::mm_out(out, a, b);
+  } else {
+    at::mm_out(out, a, b, out.scalar_type());
+  }
+}
+
+// Calls visit(chunk) for every chunk, in column order.
+template <class Visit>
+void for_each_chunk(const at::Tensor& rows, const at::Tensor& cols, int64_t kc, Visit&& visit) {
+  const int64_t M = rows.size(0), K = cols.size(0);
+  const at::Tensor workspace = at::empty({M * std::min(kc, K)}, rows.options().dtype(accumulate_type(rows.scalar_type())));
+  for (int64_t begin = 0; begin < K; begin += kc) {
+    const int64_t width = std::min(kc, K - begin);
+    Chunk chunk{begin, width, workspace_view(workspace, M, width)};
+    mm_into(chunk.dots, rows, cols.narrow(0, begin, width).t());
+    visit(static_cast<const Chunk&>(chunk));
+  }
+}
+
+// For every chunk, fill_grad(chunk, dlogits) writes dlogits (M x width, dtype grad_dtype): the
+// gradient of the loss with respect to chunk.dots (the logit scale applied), times a power-of-two
+// prescale when the caller uses one. The driver accumulates grad_rows = sum_chunks dlogits @
+// cols_chunk and grad_cols[chunk] = dlogits^T @ rows, multiplies both by `unscale` (a 0-dim fp32
+// tensor, 1 / prescale; undefined for none) and returns them in rows' dtype.
+template <class FillGrad>
+std::pair<at::Tensor, at::Tensor> chunked_gradients(const at::Tensor& rows, const at::Tensor& cols, int64_t kc,
+                                                    at::ScalarType grad_dtype, const at::Tensor& unscale,
+                                                    FillGrad&& fill_grad) {
+  const int64_t M = rows.size(0), K = cols.size(0), D = rows.size(1);
+  const auto acc = accumulate_type(rows.scalar_type());
+  const int64_t width_max = std::min(kc, K);
+  const at::Tensor grad_workspace = at::empty({M * width_max}, rows.options().dtype(grad_dtype));
+  at::Tensor grad_rows = at::zeros({M, D}, rows.options().dtype(acc));
+  at::Tensor grad_cols = at::empty({K, D}, rows.options());
+  // grad_cols chunks go straight into the output when no conversion or unscaling is needed; else
+  // through an fp32 chunk buffer (16-bit outputs are then rounded once, from fp32).
+  const bool direct = !unscale.defined() && grad_dtype == rows.scalar_type() && grad_dtype == acc;
+  const at::Tensor cols_buffer = direct ? at::Tensor() : at::empty({width_max * D}, rows.options().dtype(acc));
+  // 16-bit dlogits: the rows' gradient of a chunk goes through an fp32 M x D buffer and is added to
+  // the accumulator (addmm with an fp32 accumulator and 16-bit factors is not accepted by every
+  // torch version's addmm.dtype_out; the extra M x D traffic is a few % of the chunk's GEMMs).
+  const at::Tensor rows_buffer = grad_dtype == acc ? at::Tensor() : at::empty({M, D}, rows.options().dtype(acc));
+  for_each_chunk(rows, cols, kc, [&](const Chunk& chunk) {
+    at::Tensor dlogits = workspace_view(grad_workspace, M, chunk.width);
+    fill_grad(chunk, dlogits);
+    const at::Tensor cols_chunk = cols.narrow(0, chunk.begin, chunk.width);
+    if (grad_dtype == acc) {
+      grad_rows.addmm_(dlogits, cols_chunk);  // beta = 1: accumulate in place
+    } else {
+      at::Tensor chunk_rows = rows_buffer;
+      mm_into(chunk_rows, dlogits, cols_chunk);
+      grad_rows.add_(chunk_rows);
+    }
+    at::Tensor out = grad_cols.narrow(0, chunk.begin, chunk.width);
+    if (direct) {
+      at::mm_out(out, dlogits.t(), rows);
+      return;
+    }
+    at::Tensor buffer = workspace_view(cols_buffer, chunk.width, D);
+    mm_into(buffer, dlogits.t(), rows);
+    if (unscale.defined()) buffer.mul_(unscale);
+    out.copy_(buffer);
+  });
+  if (unscale.defined()) grad_rows.mul_(unscale);
+  return {grad_rows.to(rows.scalar_type()), grad_cols};
+}
+
+}  // namespace clipshard::chunked
