@@ -37,3 +37,8 @@ def check_generator(fn, generator, device):
                                                                  else torch.cuda.current_device())
     if have.type != device.type or not same_index:
         raise ValueError(f"{fn}: generator must be on the tensors' device ({device}), got a generator on {have}")
+
+
+def check_flags(fn, **flags):
+    for name, value in flags.items():
+        check_bool(fn, name, value)
