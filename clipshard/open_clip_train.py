@@ -73,8 +73,9 @@ def _text_tower_hook(create_model_and_transforms, dtype):
         model, *transforms = create_model_and_transforms(*args, **kwargs)
         if not calls:
             text_tower_to_half_precision_(model, dtype)
-            _LOG.info("clipshard: text tower stored in %s with stochastic rounding (model class %s)",
-                      dtype, type(model).__name__)
+            count = sum(p.numel() for p in model.parameters() if p.dtype == dtype)
+            _LOG.info("clipshard: text tower (%d parameters) stored in %s with stochastic rounding "
+                      "(model class %s)", count, dtype, type(model).__name__)
         calls.append(True)
         return (model, *transforms)
     return create

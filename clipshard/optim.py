@@ -101,6 +101,14 @@ class AdamW(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One AdamW update of every parameter with a gradient, as torch.optim.AdamW computes it
+        (decoupled weight decay, bias correction), in one fused pass per (device, dtype) bucket.
+
+        The update is computed in fp32; 16-bit parameters and moments are written back with
+        stochastic rounding (round-to-nearest with stochastic_rounding=False), with random bits
+        drawn from `generator` (default: torch's default generator). Parameters without .grad
+        are skipped; their state is created on their first step. closure: as in torch, re-evaluates
+        the model and returns the loss, which step then returns (else None)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
