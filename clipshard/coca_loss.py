@@ -3,6 +3,7 @@ caption term. Needs open_clip (the caption term is an instance of open_clip's Co
 import torch
 
 from clipshard.loss import ClipLoss
+from clipshard.open_clip_patch import original_class
 
 
 class CoCaLoss(ClipLoss):
@@ -17,7 +18,6 @@ class CoCaLoss(ClipLoss):
                  mode=None, group=None):
         super().__init__(local_loss=local_loss, gather_with_grad=gather_with_grad, cache_labels=cache_labels,
                          rank=rank, world_size=world_size, use_horovod=use_horovod, mode=mode, group=group)
-        from clipshard.open_clip_patch import original_class
         self.clip_loss_weight = clip_loss_weight
         self.caption_loss_weight = caption_loss_weight
         self.caption_term = original_class("CoCaLoss")(

@@ -9,6 +9,8 @@ import dataclasses
 import importlib
 import logging
 
+import torch
+
 _LOG = logging.getLogger("clipshard")
 _FN = "clipshard.apply_to_open_clip"
 SUPPORTED_VERSIONS = ("3.3",)  # open_clip_torch major.minor versions tested against
@@ -72,11 +74,10 @@ def original_class(name):
     """open_clip's own class `name` from open_clip.loss, whether or not the patch is applied."""
     if _active is not None and ("open_clip.loss", name) in _active.originals:
         return _active.originals[("open_clip.loss", name)]
-    return getattr(import_open_clip("clipshard.original_class").loss, name)
+    return getattr(import_open_clip("clipshard.open_clip_patch.original_class").loss, name)
 
 
 def _open_clip_losses(loss_module):
-    import torch
     return sorted(n for n, v in vars(loss_module).items()
                   if isinstance(v, type) and issubclass(v, torch.nn.Module) and n.endswith("Loss"))
 
