@@ -127,6 +127,20 @@ class ClipLoss(torch.nn.Module):
         self.group = group
 
     def forward(self, image_features, text_features, logit_scale, logit_bias=None, output_dict=False):
+        """The CLIP loss of this rank's batch, as open_clip's ClipLoss.forward computes it.
+
+        image_features, text_features: (batch, dim) tensors of one dtype (fp32, fp16, bf16 or fp64)
+            on one device, usually L2-normalised; row i of each is a positive pair. Batches may
+            differ in size between ranks.
+        logit_scale: the multiplier of the similarities, already exponentiated (open_clip's models
+            return `logit_scale.exp()`), a 0-dim or one-element tensor or a Python number.
+        logit_bias: optional additive bias of the logits, same forms as logit_scale.
+        output_dict: return {"contrastive_loss": loss} instead of the loss.
+
+        Returns a 0-dim fp32 tensor for fp32 / fp16 / bf16 features (fp64 for fp64): accumulation
+        is in fp32 whatever the feature dtype, and the B x B logits are never stored. Gradients
+        reach both feature tensors, logit_scale and logit_bias (docs/distributed.md per option).
+        """
         check_flags("ClipLoss", output_dict=output_dict)
         if self.world_size == 1 and self.group is None:
             loss = _single_device_loss(image_features, text_features, logit_scale, logit_bias, "ClipLoss")

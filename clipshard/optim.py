@@ -121,6 +121,14 @@ class AdamW(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One AdamW update of every parameter with a gradient, as torch.optim.AdamW computes it
+        (decoupled weight decay, bias correction), in one fused pass per (device, dtype) bucket.
+
+        The update is computed in fp32; 16-bit parameters and moments are written back with
+        stochastic rounding (round-to-nearest with stochastic_rounding=False), with random bits
+        drawn from `generator` (default: torch's default generator). Parameters without .grad
+        are skipped; their state is created on their first step. closure: as in torch, re-evaluates
+        the model and returns the loss, which step then returns (else None)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -208,25 +216,47 @@ def _loaded_state(index, param, saved):
     return state
 
 
+def _named_tensors(fn, targets, buffers):
+    """(kind, name, tensor) for every tensor to convert in a module, a Parameter, or an iterable of them."""
+    if isinstance(targets, (torch.nn.Module, torch.Tensor)):
+        targets = [targets]
+    named = []
+    for i, target in enumerate(targets):
+        if isinstance(target, torch.nn.Module):
+            named += [("parameter", n, t) for n, t in target.named_parameters()]
+            if buffers:
+                named += [("buffer", n, t) for n, t in target.named_buffers() if t.is_floating_point()]
+        elif isinstance(target, torch.nn.Parameter):
+            named.append(("parameter", f"#{i} (shape {tuple(target.shape)})", target))
+        else:
+            raise TypeError(f"{fn}: expected modules or Parameters (or a list of them), got "
+                            f"{type(target).__name__} at position {i}")
+    return named
+
+
 @torch.no_grad()
-def to_half_precision_(module: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, *, buffers: bool = False,
-                       generator: torch.Generator | None = None) -> torch.nn.Module:
-    """Converts `module`'s fp32 parameters (and, with buffers=True, its fp32 buffers) to `dtype` in
-    place with stochastic rounding (clipshard.stochastic_round), so that a model, say a frozen or
-    slowly trained text encoder, is kept in 16 bits without an fp32 master copy and its rounding
-    errors average out instead of all pointing the same way. Parameters stay the same Parameter
-    objects (their .data is replaced): build the optimizer afterwards. Tensors already in `dtype`
-    are left as they are; other dtypes are refused. Returns the module."""
+def to_half_precision_(targets, dtype: torch.dtype = torch.bfloat16, *, buffers: bool = False,
+                       generator: torch.Generator | None = None):
+    """Converts fp32 parameters to `dtype` in place with stochastic rounding (clipshard.stochastic_round),
+    so that part of a model, say a text encoder, is kept in 16 bits without an fp32 master copy and
+    its rounding errors average out instead of all pointing the same way.
+
+    targets: a Module (all its parameters; with buffers=True its floating-point buffers too), a
+    Parameter, or an iterable mixing both, e.g. `[model.transformer, model.positional_embedding]`.
+    Parameters stay the same Parameter objects (their .data is replaced): build the optimizer
+    afterwards. Tensors already in `dtype` are left as they are (so a Parameter listed twice is
+    converted once); other dtypes are refused before anything is converted. Returns `targets`.
+
+    For open_clip's CLIP / CustomTextCLIP, clipshard.text_tower_to_half_precision_ converts exactly
+    the text tower and keeps the features it hands to the loss in the rest of the model's dtype."""
     fn = "to_half_precision_"
     if dtype not in _HALF_DTYPES:
         raise ValueError(f"{fn}: dtype must be torch.float16 or torch.bfloat16, got {dtype}")
-    named = [("parameter", n, t) for n, t in module.named_parameters()]
-    if buffers:
-        named += [("buffer", n, t) for n, t in module.named_buffers() if t.is_floating_point()]
+    named = _named_tensors(fn, targets, buffers)
     for kind, name, t in named:
         if t.dtype not in (torch.float32, dtype):
             raise TypeError(f"{fn}: {kind} {name!r} is {t.dtype}; only float32 tensors are converted")
     for _, _, t in named:
         if t.dtype == torch.float32:
             t.data = stochastic_round(t.data.contiguous(), dtype, generator=generator)
-    return module
+    return targets
