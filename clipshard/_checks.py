@@ -16,3 +16,29 @@ def check_feature_pair(fn, names, first, second, shapes):
         raise TypeError(f"{fn}: {both} must have the same dtype, got {first.dtype} and {second.dtype}")
     if first.device != second.device:
         raise ValueError(f"{fn}: {both} must be on the same device, got {first.device} and {second.device}")
+
+
+def check_bool(fn, name, value):
+    """Flags must be real bools: bool('no') is True, so a string or a number would silently mean
+    something else."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{fn}: {name} must be True or False, got {value!r} ({type(value).__name__})")
+
+
+def check_generator(fn, generator, device):
+    """`generator` must be None or a torch.Generator on `device`'s type (for CUDA, the same index)."""
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"{fn}: generator must be a torch.Generator or None, got {type(generator).__name__}")
+    device = torch.device(device)
+    have = generator.device
+    same_index = device.type != "cuda" or (have.index or 0) == (device.index if device.index is not None
+                                                                 else torch.cuda.current_device())
+    if have.type != device.type or not same_index:
+        raise ValueError(f"{fn}: generator must be on the tensors' device ({device}), got a generator on {have}")
+
+
+def check_flags(fn, **flags):
+    for name, value in flags.items():
+        check_bool(fn, name, value)

@@ -90,16 +90,25 @@ _LOCAL_PROBLEMS = {
     7: "the local batch must not be empty",
     8: "logit_scale must be a tensor with one element on the features' device",
     9: "logit_bias must be None or a tensor with one element on the features' device",
+    10: "features must be dense (strided) tensors",
+    11: "the feature dimension D must be at least 1",
+    12: "logit_scale must be a fp32, fp16, bf16 or fp64 tensor",
+    13: "logit_bias must be a fp32, fp16, bf16 or fp64 tensor",
+    14: "image_features and text_features must be torch.Tensors",
 }
-_TYPE_PROBLEMS = (2, 5)  # raised as TypeError on the rank that has them, ValueError otherwise
+_TYPE_PROBLEMS = (2, 5, 12, 13, 14)  # raised as TypeError on the rank that has them, ValueError otherwise
 
 
 def _local_problem(image, text, scale, bias):
-    """(code, message) of the first problem with this rank's inputs, or (0, None)."""
+    """(code, message) of the first problem with this rank's inputs, or (0, None). Everything that
+    would make this rank fail after the metadata exchange belongs here."""
 
     def fail(code, detail):
         return code, f"{_LOCAL_PROBLEMS[code]}, got {detail}"
 
+    for name, value in (("image_features", image), ("text_features", text)):
+        if not torch.is_tensor(value):
+            return fail(14, f"{type(value).__name__} for {name}")
     if image.dim() != 2 or text.dim() != 2:
         return fail(1, f"shapes {tuple(image.shape)} and {tuple(text.shape)}")
     if image.dtype != text.dtype:
@@ -108,30 +117,49 @@ def _local_problem(image, text, scale, bias):
         return fail(3, f"{image.device} and {text.device}")
     if image.shape != text.shape:
         return fail(4, f"{tuple(image.shape)} and {tuple(text.shape)}")
+    if image.layout != torch.strided or text.layout != torch.strided:
+        return fail(10, f"{image.layout} and {text.layout}")
     if image.dtype not in _DTYPE_CODES:
         return fail(5, f"{image.dtype}")
     if image.device.type not in _DEVICE_CODES:
         return fail(6, f"{image.device}")
     if image.shape[0] == 0:
         return fail(7, f"{tuple(image.shape)}")
+    if image.shape[1] == 0:
+        return fail(11, f"{tuple(image.shape)}")
     if not torch.is_tensor(scale) or scale.numel() != 1 or scale.device != image.device:
         got = f"{tuple(scale.shape)} on {scale.device}" if torch.is_tensor(scale) else type(scale).__name__
         return fail(8, got)
+    if scale.dtype not in _DTYPE_CODES:
+        return fail(12, f"{scale.dtype}")
     if bias is not None and (not torch.is_tensor(bias) or bias.numel() != 1 or bias.device != image.device):
         got = f"{tuple(bias.shape)} on {bias.device}" if torch.is_tensor(bias) else type(bias).__name__
         return fail(9, got)
+    if bias is not None and bias.dtype not in _DTYPE_CODES:
+        return fail(13, f"{bias.dtype}")
     return 0, None
 
 
 def _requires_grad_bits(image, text, scale, bias):
+    """Which inputs autograd will differentiate: a rank under torch.no_grad() would skip the backward
+    collectives that the other ranks enter."""
+    grad_mode = torch.is_grad_enabled()
     flags = (image.requires_grad, text.requires_grad, scale.requires_grad,
              bias is not None and bias.requires_grad)
-    return sum(int(f) << k for k, f in enumerate(flags))
+    return sum(int(grad_mode and f) << k for k, f in enumerate(flags))
+
+
+def _metadata_device(group):
+    """Where the metadata travels: a device every rank's backend serves whatever its inputs are (a
+    rank with inputs on an unusable device must still take part, to report it)."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 # Column order of the metadata each rank contributes.
 _META_FIELDS = ("problem", "batch", "dim", "dtype", "device", "has_bias", "requires_grad",
-                "config", "rank_arg", "world_size_arg")
+                "config", "rank_arg", "world_size_arg", "scale_dtype", "bias_dtype")
 
 
 def shard_layout(fn, image, text, scale, bias, group, *, config=0, rank_arg=None, world_size_arg=None):
@@ -143,9 +171,6 @@ def shard_layout(fn, image, text, scale, bias, group, *, config=0, rank_arg=None
     different collectives and hang). rank_arg / world_size_arg are open_clip's constructor
     arguments, checked against the group when given.
     """
-    for name, value in (("image_features", image), ("text_features", text)):
-        if not torch.is_tensor(value):
-            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(value).__name__}")
     code, message = _local_problem(image, text, scale, bias)
     if group is None:
         if code:
@@ -153,21 +178,26 @@ def shard_layout(fn, image, text, scale, bias, group, *, config=0, rank_arg=None
         return single_process_layout(image.shape[0])
 
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
-    shape_ok = code == 0 or code > 4  # codes 1 to 4: the shapes themselves may be wrong
-    row = [
-        code,
-        image.shape[0] if shape_ok else 0,
-        image.shape[1] if shape_ok else 0,
-        _DTYPE_CODES.get(image.dtype, -1),
-        _DEVICE_CODES.get(image.device.type, -1),
-        int(bias is not None),
-        _requires_grad_bits(image, text, scale, bias) if code == 0 else 0,
-        config,
-        -1 if rank_arg is None else rank_arg,
-        -1 if world_size_arg is None else world_size_arg,
-    ]
-    mine = torch.tensor(row, dtype=torch.int64, device=image.device)
-    everyone = torch.empty(world_size * len(row), dtype=torch.int64, device=image.device)
+    if code:  # every rank raises on the problem code before looking at the other fields
+        row = [code] + [0] * (len(_META_FIELDS) - 1)
+    else:
+        row = [
+            code,
+            image.shape[0],
+            image.shape[1],
+            _DTYPE_CODES[image.dtype],
+            _DEVICE_CODES[image.device.type],
+            int(bias is not None),
+            _requires_grad_bits(image, text, scale, bias),
+            config,
+            -1 if rank_arg is None else rank_arg,
+            -1 if world_size_arg is None else world_size_arg,
+            _DTYPE_CODES[scale.dtype],
+            -1 if bias is None else _DTYPE_CODES[bias.dtype],
+        ]
+    device = _metadata_device(group)
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    everyone = torch.empty(world_size * len(row), dtype=torch.int64, device=device)
     _all_gather_single(everyone, mine, group=group)
     table = everyone.view(world_size, len(row)).tolist()
     _check_table(fn, table, rank, world_size, message)
@@ -197,13 +227,16 @@ def _check_table(fn, table, rank, world_size, own_message):
         "dtype": "feature dtype",
         "device": "feature device type",
         "has_bias": "presence of logit_bias",
-        "requires_grad": "requires_grad pattern of (image, text, logit_scale, logit_bias)",
+        "requires_grad": "requires_grad pattern of (image, text, logit_scale, logit_bias) under the grad mode",
         "config": "loss options (local_loss, gather_with_grad, mode)",
+        "scale_dtype": "logit_scale dtype",
+        "bias_dtype": "logit_bias dtype",
     }
     for name, what in must_agree.items():
         values = [row[field[name]] for row in table]
         if len(set(values)) > 1:
-            shown = {"dtype": {v: str(k) for k, v in _DTYPE_CODES.items()},
+            dtypes = {v: str(k) for k, v in _DTYPE_CODES.items()}
+            shown = {"dtype": dtypes, "scale_dtype": dtypes, "bias_dtype": dtypes,
                      "device": {v: k for k, v in _DEVICE_CODES.items()}}.get(name, {})
             per_rank = ", ".join(f"rank {q}: {shown.get(v, v)}" for q, v in enumerate(values))
             raise ValueError(f"{fn}: all ranks must use the same {what}, got {per_rank}")

@@ -11,7 +11,7 @@ cuBLAS GEMM into a bounded fp32 workspace, then one fused elementwise kernel (th
 import torch
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
-from clipshard._checks import check_feature_pair
+from clipshard._checks import check_feature_pair, check_flags
 from clipshard._workspace import workspace_bytes as _workspace_bytes
 
 ALGORITHMS = ("auto", "fused", "chunked")
@@ -72,18 +72,21 @@ torch.library.register_autograd("clipshard::contrastive_lse_forward", _backward,
 
 
 def _check_scalar(name, value, rows):
+    """A Python number becomes a 0-dim tensor; a one-element tensor of any shape (open_clip's
+    nonscalar_logit_scale uses shape (1,)) is viewed as 0-dim, so its gradient keeps its shape."""
     if not isinstance(value, torch.Tensor):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"contrastive_lse: {name} must be a float or a 0-dim tensor, got {type(value).__name__}")
+            raise TypeError(f"contrastive_lse: {name} must be a float or a one-element tensor, got "
+                            f"{type(value).__name__}")
         return torch.tensor(float(value), dtype=_acc_dtype(rows.dtype), device=rows.device)
-    if value.dim() != 0:
-        raise ValueError(f"contrastive_lse: {name} must be a 0-dim tensor, got shape {tuple(value.shape)}")
+    if value.numel() != 1:
+        raise ValueError(f"contrastive_lse: {name} must be a one-element tensor, got shape {tuple(value.shape)}")
     if not value.is_floating_point():
         raise TypeError(f"contrastive_lse: {name} must be a floating-point tensor, got {value.dtype}")
     if value.device != rows.device:
         raise ValueError(f"contrastive_lse: {name} must be on the same device as rows ({rows.device}), "
                          f"got {value.device}")
-    return value
+    return value.reshape(())
 
 
 def _check_features(rows, cols, pos_offset):
@@ -120,8 +123,9 @@ def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=Tru
     Args:
         rows: M x D features (fp32, fp16, bf16 or fp64).
         cols: K x D features, same dtype and device.
-        scale: logit scale, already exponentiated (a Python float or a 0-dim tensor; differentiable).
-        bias: optional logit bias added to every logit (float or 0-dim tensor; differentiable).
+        scale: logit scale, already exponentiated (a Python float or a one-element tensor;
+            differentiable, its gradient has the tensor's shape).
+        bias: optional logit bias added to every logit (float or one-element tensor; differentiable).
         pos_offset: row i's positive is column pos_offset + i (0 <= pos_offset, pos_offset + M <= K).
         want_col_lse: also return the column log-sum-exps over these M rows.
         algorithm: "auto" (default: "chunked" on CUDA, "fused" on the CPU), "fused" (tile kernels;
@@ -138,6 +142,7 @@ def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=Tru
         for fp64 inputs — whatever the input dtype. Gradients flow to rows, cols, scale and bias.
     """
     _check_features(rows, cols, pos_offset)
+    check_flags("contrastive_lse", want_col_lse=want_col_lse, deterministic=deterministic)
     scale = _check_scalar("scale", scale, rows)
     if bias is not None:
         bias = _check_scalar("bias", bias, rows)

@@ -4,7 +4,7 @@ import torch
 
 from clipshard import distributed as cdist
 from clipshard import sharded_loss
-from clipshard._checks import check_feature_pair
+from clipshard._checks import check_feature_pair, check_flags
 from clipshard.fused_op import contrastive_lse
 
 _MODES = ("exchange", "local")
@@ -30,6 +30,7 @@ def _single_device_loss(image_features, text_features, logit_scale, logit_bias=N
 
 
 def _resolve_mode(fn, mode, local_loss, gather_with_grad):
+    check_flags(fn, local_loss=local_loss, gather_with_grad=gather_with_grad)
     if mode is None:
         return "exchange" if gather_with_grad else "local"
     if mode not in _MODES:
@@ -107,6 +108,12 @@ class ClipLoss(torch.nn.Module):
     def __init__(self, local_loss=False, gather_with_grad=False, cache_labels=False, rank=0,
                  world_size=1, use_horovod=False, *, mode=None, group=None):
         super().__init__()
+        check_flags("ClipLoss", cache_labels=cache_labels, use_horovod=use_horovod)
+        for name, value, least in (("rank", rank, 0), ("world_size", world_size, 1)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"ClipLoss: {name} must be an int, got {value!r} ({type(value).__name__})")
+            if value < least:
+                raise ValueError(f"ClipLoss: {name} must be >= {least}, got {value}")
         if use_horovod:
             raise ValueError("ClipLoss: use_horovod=True is not supported; clipshard communicates "
                              "through torch.distributed (launch with torchrun)")
@@ -120,6 +127,21 @@ class ClipLoss(torch.nn.Module):
         self.group = group
 
     def forward(self, image_features, text_features, logit_scale, logit_bias=None, output_dict=False):
+        """The CLIP loss of this rank's batch, as open_clip's ClipLoss.forward computes it.
+
+        image_features, text_features: (batch, dim) tensors of one dtype (fp32, fp16, bf16 or fp64)
+            on one device, usually L2-normalised; row i of each is a positive pair. Batches may
+            differ in size between ranks.
+        logit_scale: the multiplier of the similarities, already exponentiated (open_clip's models
+            return `logit_scale.exp()`), a 0-dim or one-element tensor or a Python number.
+        logit_bias: optional additive bias of the logits, same forms as logit_scale.
+        output_dict: return {"contrastive_loss": loss} instead of the loss.
+
+        Returns a 0-dim fp32 tensor for fp32 / fp16 / bf16 features (fp64 for fp64): accumulation
+        is in fp32 whatever the feature dtype, and the B x B logits are never stored. Gradients
+        reach both feature tensors, logit_scale and logit_bias (docs/distributed.md per option).
+        """
+        check_flags("ClipLoss", output_dict=output_dict)
         if self.world_size == 1 and self.group is None:
             loss = _single_device_loss(image_features, text_features, logit_scale, logit_bias, "ClipLoss")
         else:

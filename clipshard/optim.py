@@ -8,9 +8,13 @@ registers and writes the 16-bit results back with stochastic rounding (or round-
 "exp_avg_sq_fourth_root", so that gradients from 1e-8 to 1e4 neither underflow nor overflow.
 See docs/optimizer.md.
 """
+import math
+import numbers
+
 import torch
 from torch.optim import Optimizer
 
+from clipshard._checks import check_bool, check_generator
 from clipshard._random import draw_seed_offset
 from clipshard.rounding import stochastic_round
 
@@ -30,17 +34,34 @@ def second_moment_key(state_dtype: torch.dtype) -> str:
     return "exp_avg_sq_fourth_root" if state_dtype == torch.float16 else "exp_avg_sq"
 
 
-def _check_hyper(lr, betas, eps, weight_decay, state_dtype):
-    if isinstance(lr, torch.Tensor):
-        raise TypeError(f"{_NAME}: lr must be a Python number, got a Tensor (tensor lr is not supported)")
-    if not 0.0 <= lr < float("inf"):
-        raise ValueError(f"{_NAME}: lr must be finite and >= 0, got {lr}")
-    if not 0.0 <= eps:
-        raise ValueError(f"{_NAME}: eps must be >= 0, got {eps}")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"{_NAME}: betas must be two numbers in [0, 1), got {betas}")
-    if not 0.0 <= weight_decay:
-        raise ValueError(f"{_NAME}: weight_decay must be >= 0, got {weight_decay}")
+def _check_number(name, value, low, high=float("inf"), high_open=True):
+    """A real number (not a bool, not a tensor) in [low, high) (or [low, high]), finite."""
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{_NAME}: {name} must be a Python number, got a Tensor (tensor {name} is not supported)")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{_NAME}: {name} must be a number, got {value!r} ({type(value).__name__})")
+    in_range = low <= value < high if high_open else low <= value <= high
+    if not (in_range and math.isfinite(value)):
+        interval = f"[{low}, {high})" if high < float("inf") else f"finite and >= {low}"
+        raise ValueError(f"{_NAME}: {name} must be {interval}, got {value}")
+
+
+def _check_group(group):
+    """The hyper-parameters and options of one param group (also re-checked at every step: schedulers
+    and users may change them)."""
+    for flag in ("amsgrad", "maximize", "stochastic_rounding"):
+        check_bool(_NAME, flag, group[flag])
+    if group["amsgrad"]:
+        raise NotImplementedError(f"{_NAME}: amsgrad=True is not supported")
+    _check_number("lr", group["lr"], 0.0)
+    _check_number("eps", group["eps"], 0.0)
+    _check_number("weight_decay", group["weight_decay"], 0.0)
+    betas = group["betas"]
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise TypeError(f"{_NAME}: betas must be a pair of numbers (beta1, beta2), got {betas!r}")
+    for name, beta in zip(("betas[0]", "betas[1]"), betas):
+        _check_number(name, beta, 0.0, 1.0)
+    state_dtype = group["state_dtype"]
     if state_dtype is not None and state_dtype not in _PARAM_DTYPES:
         raise ValueError(f"{_NAME}: state_dtype must be None, torch.float32, torch.bfloat16 or "
                          f"torch.float16, got {state_dtype}")
@@ -61,20 +82,19 @@ class AdamW(Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
                  amsgrad=False, maximize=False, state_dtype=None, stochastic_rounding=True, generator=None):
-        if amsgrad:
-            raise NotImplementedError(f"{_NAME}: amsgrad=True is not supported")
-        _check_hyper(lr, betas, eps, weight_decay, state_dtype)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=False,
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, state_dtype=state_dtype, stochastic_rounding=stochastic_rounding)
+        _check_group(defaults)
+        defaults["betas"] = tuple(betas)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"{_NAME}: generator must be a torch.Generator or None, got {type(generator).__name__}")
         self.generator = generator
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group):
         super().add_param_group(param_group)
         group = self.param_groups[-1]
-        if group["amsgrad"]:
-            raise NotImplementedError(f"{_NAME}: amsgrad=True is not supported")
-        _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"], group["state_dtype"])
+        _check_group(group)
         for p in group["params"]:
             if p.dtype not in _PARAM_DTYPES:
                 raise TypeError(f"{_NAME}: parameters must be float32, float16 or bfloat16, got {p.dtype} "
@@ -101,14 +121,20 @@ class AdamW(Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One AdamW update of every parameter with a gradient, as torch.optim.AdamW computes it
+        (decoupled weight decay, bias correction), in one fused pass per (device, dtype) bucket.
+
+        The update is computed in fp32; 16-bit parameters and moments are written back with
+        stochastic rounding (round-to-nearest with stochastic_rounding=False), with random bits
+        drawn from `generator` (default: torch's default generator). Parameters without .grad
+        are skipped; their state is created on their first step. closure: as in torch, re-evaluates
+        the model and returns the loss, which step then returns (else None)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            _check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"], group["state_dtype"])
-            if group["amsgrad"]:
-                raise NotImplementedError(f"{_NAME}: amsgrad=True is not supported")
+            _check_group(group)
             buckets = {}  # (device, param dtype, state dtype) -> lists for one fused call
             for p in group["params"]:
                 if p.grad is None:
@@ -130,50 +156,107 @@ class AdamW(Optimizer):
             for (device, param_dtype, state_dtype), (ps, gs, ms, vs, steps) in buckets.items():
                 random = group["stochastic_rounding"] and (
                     param_dtype in _HALF_DTYPES or state_dtype in _HALF_DTYPES)
+                if random:
+                    check_generator(_NAME, self.generator, device)
                 seed, offset = draw_seed_offset(device, self.generator) if random else (0, 0)
                 torch.ops.clipshard.adamw_step_(
                     ps, gs, ms, vs, steps, float(group["lr"]), float(beta1), float(beta2),
-                    float(group["eps"]), float(group["weight_decay"]), bool(group["maximize"]),
-                    bool(group["stochastic_rounding"]), seed, offset)
+                    float(group["eps"]), float(group["weight_decay"]), group["maximize"],
+                    group["stochastic_rounding"], seed, offset)
+                # The kernel writes through pointers: tell autograd, as torch's optimizers' in-place
+                # ops do, so that a graph which saved a parameter raises instead of using new values.
+                torch.autograd.graph.increment_version(ps + ms + vs)
         return loss
 
     def load_state_dict(self, state_dict):
         """As torch's, except that moment tensors keep their saved dtypes (torch would cast them to
-        the parameter's dtype, losing fp32 moments of 16-bit parameters), and that every state tensor
-        is a copy (torch's loader may share tensors, `step` among them, with the given dict)."""
-        super().load_state_dict(state_dict)
+        the parameter's dtype, losing fp32 moments of 16-bit parameters), that every state tensor is
+        a copy (torch's loader may share tensors, `step` among them, with the given dict), and that
+        each parameter's state is checked before anything is loaded: a torch.optim.AdamW state of an
+        fp16 parameter (v itself in fp16) is converted to our v**(1/4) storage; a state that step()
+        could not use is refused with a ValueError naming the parameter."""
         saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
+        loaded = {saved_id: _loaded_state(index, p, state_dict["state"][saved_id])
+                  for index, (saved_id, p) in enumerate(zip(saved_ids, params)) if saved_id in state_dict["state"]}
+        super().load_state_dict(state_dict)
         for saved_id, p in zip(saved_ids, params):
-            saved = state_dict["state"].get(saved_id)
-            if saved is None:
-                continue
-            for key, value in saved.items():
-                if key == "step":
-                    self.state[p][key] = torch.tensor(float(value), dtype=torch.float32)
-                elif isinstance(value, torch.Tensor):
-                    self.state[p][key] = value.to(device=p.device, copy=True).contiguous()
+            if saved_id in loaded:
+                self.state[p] = loaded[saved_id]
+
+
+def _loaded_state(index, param, saved):
+    """A copy of one parameter's saved state, on the parameter's device, in the form step() uses."""
+    where = f"{_NAME}.load_state_dict: the state of parameter {index} (shape {tuple(param.shape)})"
+    state = {key: value.to(device=param.device, copy=True).contiguous() if torch.is_tensor(value) else value
+             for key, value in saved.items()}
+    if not state:
+        return state
+    missing = [key for key in ("step", "exp_avg") if key not in state]
+    if missing:
+        raise ValueError(f"{where} lacks {missing} (found {sorted(state)})")
+    state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+    exp_avg = state["exp_avg"]
+    if not torch.is_tensor(exp_avg) or exp_avg.dtype not in _PARAM_DTYPES:
+        raise ValueError(f"{where}: exp_avg must be a float32, bfloat16 or float16 tensor, got "
+                         f"{getattr(exp_avg, 'dtype', type(exp_avg).__name__)}")
+    key = second_moment_key(exp_avg.dtype)
+    if key not in state and exp_avg.dtype == torch.float16 and torch.is_tensor(state.get("exp_avg_sq")):
+        # torch.optim.AdamW's fp16 state holds v; ours holds v**(1/4) (see the module docstring)
+        state[key] = state.pop("exp_avg_sq").double().sqrt().sqrt().to(torch.float16)
+    second = state.get(key)
+    if not torch.is_tensor(second):
+        raise ValueError(f"{where} has no {key!r} tensor, which {exp_avg.dtype} moments need (found {sorted(state)})")
+    for name in ("exp_avg", key):
+        if state[name].shape != param.shape:
+            raise ValueError(f"{where}: {name} has shape {tuple(state[name].shape)}")
+    if second.dtype != exp_avg.dtype:
+        raise ValueError(f"{where}: exp_avg is {exp_avg.dtype} but {key} is {second.dtype}; both moments "
+                         "must share one dtype")
+    return state
+
+
+def _named_tensors(fn, targets, buffers):
+    """(kind, name, tensor) for every tensor to convert in a module, a Parameter, or an iterable of them."""
+    if isinstance(targets, (torch.nn.Module, torch.Tensor)):
+        targets = [targets]
+    named = []
+    for i, target in enumerate(targets):
+        if isinstance(target, torch.nn.Module):
+            named += [("parameter", n, t) for n, t in target.named_parameters()]
+            if buffers:
+                named += [("buffer", n, t) for n, t in target.named_buffers() if t.is_floating_point()]
+        elif isinstance(target, torch.nn.Parameter):
+            named.append(("parameter", f"#{i} (shape {tuple(target.shape)})", target))
+        else:
+            raise TypeError(f"{fn}: expected modules or Parameters (or a list of them), got "
+                            f"{type(target).__name__} at position {i}")
+    return named
 
 
 @torch.no_grad()
-def to_half_precision_(module: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, *, buffers: bool = False,
-                       generator: torch.Generator | None = None) -> torch.nn.Module:
-    """Converts `module`'s fp32 parameters (and, with buffers=True, its fp32 buffers) to `dtype` in
-    place with stochastic rounding (clipshard.stochastic_round), so that a model, say a frozen or
-    slowly trained text encoder, is kept in 16 bits without an fp32 master copy and its rounding
-    errors average out instead of all pointing the same way. Parameters stay the same Parameter
-    objects (their .data is replaced): build the optimizer afterwards. Tensors already in `dtype`
-    are left as they are; other dtypes are refused. Returns the module."""
+def to_half_precision_(targets, dtype: torch.dtype = torch.bfloat16, *, buffers: bool = False,
+                       generator: torch.Generator | None = None):
+    """Converts fp32 parameters to `dtype` in place with stochastic rounding (clipshard.stochastic_round),
+    so that part of a model, say a text encoder, is kept in 16 bits without an fp32 master copy and
+    its rounding errors average out instead of all pointing the same way.
+
+    targets: a Module (all its parameters; with buffers=True its floating-point buffers too), a
+    Parameter, or an iterable mixing both, e.g. `[model.transformer, model.positional_embedding]`.
+    Parameters stay the same Parameter objects (their .data is replaced): build the optimizer
+    afterwards. Tensors already in `dtype` are left as they are (so a Parameter listed twice is
+    converted once); other dtypes are refused before anything is converted. Returns `targets`.
+
+    For open_clip's CLIP / CustomTextCLIP, clipshard.text_tower_to_half_precision_ converts exactly
+    the text tower and keeps the features it hands to the loss in the rest of the model's dtype."""
     fn = "to_half_precision_"
     if dtype not in _HALF_DTYPES:
         raise ValueError(f"{fn}: dtype must be torch.float16 or torch.bfloat16, got {dtype}")
-    named = [("parameter", n, t) for n, t in module.named_parameters()]
-    if buffers:
-        named += [("buffer", n, t) for n, t in module.named_buffers() if t.is_floating_point()]
+    named = _named_tensors(fn, targets, buffers)
     for kind, name, t in named:
         if t.dtype not in (torch.float32, dtype):
             raise TypeError(f"{fn}: {kind} {name!r} is {t.dtype}; only float32 tensors are converted")
     for _, _, t in named:
         if t.dtype == torch.float32:
             t.data = stochastic_round(t.data.contiguous(), dtype, generator=generator)
-    return module
+    return targets

@@ -243,6 +243,17 @@ def half_neighbours(x, dtype):
     return lo, hi
 
 
+def round_to_nearest_reference(x, dtype):
+    """Each finite fp64 value x (within dtype's range) rounded to the nearest `dtype` value, ties to
+    even, decided from the distances to the two neighbours in fp64 (exact for values of fp32
+    precision) rather than taken on trust from a cast."""
+    x = x.double()
+    lo, hi = half_neighbours(x, dtype)
+    below, above = x - lo.double(), hi.double() - x
+    lo_is_even = (lo.view(torch.int16) & 1) == 0
+    return torch.where((below < above) | ((below == above) & lo_is_even), lo, hi)
+
+
 # --- A training problem for clipshard.optim.AdamW: the stall that stochastic rounding prevents ----
 
 

@@ -4,10 +4,17 @@ x between the neighbours lo < x < hi of the target format becomes hi with probab
 (x - lo) / (hi - lo), else lo, so E[stochastic_round(x)] = x. The random bits are Philox4x32-10:
 element i (row-major) uses word i % 4 of Philox(key=seed, counter=(i // 4, offset)), so the result
 depends only on (x, seed, offset), and CPU and CUDA agree bit for bit.
+
+Autograd: the gradient of stochastic_round is the identity (straight-through), as for torch's own
+cast x.to(dtype), and E[stochastic_round(x)] = x makes it the gradient of the expected result.
+stochastic_round_ is an in-place write with torch's copy_ semantics: it bumps dst's version counter
+(so a graph that saved dst raises in backward), refuses a leaf that requires grad while grad mode
+is on, and passes the same identity gradient from dst to src.
 """
 import torch
 
 from clipshard import _random
+from clipshard._checks import check_bool, check_generator
 
 _TARGETS = (torch.float16, torch.bfloat16)
 
@@ -15,6 +22,13 @@ _TARGETS = (torch.float16, torch.bfloat16)
 @torch.library.register_fake("clipshard::stochastic_round")
 def _stochastic_round_fake(src, dtype, seed, offset, saturate):
     return src.new_empty(src.shape, dtype=dtype)
+
+
+def _stochastic_round_backward(ctx, grad):
+    return grad.float(), None, None, None, None  # straight-through: d result / d src = identity
+
+
+torch.library.register_autograd("clipshard::stochastic_round", _stochastic_round_backward)
 
 
 @torch.library.register_fake("clipshard::stochastic_round_into")
@@ -47,6 +61,7 @@ def _seed_offset(fn: str, device: torch.device, seed, offset, generator) -> tupl
     if (seed is None) != (offset is None):
         raise ValueError(f"{fn}: give both seed and offset or neither, got seed={seed!r}, offset={offset!r}")
     if seed is None:
+        check_generator(fn, generator, device)
         return _random.draw_seed_offset(device, generator)
     if generator is not None:
         raise ValueError(f"{fn}: give either seed and offset or a generator, not both")
@@ -63,20 +78,25 @@ def stochastic_round(x: torch.Tensor, dtype: torch.dtype = torch.float16, *, see
     torch.manual_seed makes runs reproducible; on CUDA this involves no host-device sync.
     saturate: False (default) lets |x| > 65504 (fp16) round to +-Inf with probability growing with
     the distance, and keeps +-Inf; True clamps finite overflow and +-Inf to the largest finite value.
-    Returns a new contiguous tensor of x's shape.
+    Returns a new contiguous tensor of x's shape. Its gradient is the identity (straight-through).
     """
     fn = "stochastic_round"
     _check_source(fn, "x", x)
     _check_target(fn, "dtype", dtype)
+    check_bool(fn, "saturate", saturate)
     seed, offset = _seed_offset(fn, x.device, seed, offset, generator)
-    return torch.ops.clipshard.stochastic_round(x, dtype, seed, offset, bool(saturate))
+    return torch.ops.clipshard.stochastic_round(x, dtype, seed, offset, saturate)
 
 
 def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, *, seed: int | None = None,
                       offset: int | None = None, generator: torch.Generator | None = None,
                       saturate: bool = False) -> torch.Tensor:
     """Stochastically rounds the float32 tensor `src` into the float16/bfloat16 tensor `dst` (same
-    shape and device, any strides) and returns `dst`. Arguments as in `stochastic_round`."""
+    shape and device, any strides) and returns `dst`. Arguments as in `stochastic_round`.
+
+    Behaves like dst.copy_(src) for autograd: dst's version counter is bumped; with grad mode on, a
+    dst that is a leaf requiring grad is refused, and when src or dst requires grad the write is
+    recorded (identity gradient to src)."""
     fn = "stochastic_round_"
     _check_source(fn, "src", src)
     if not isinstance(dst, torch.Tensor):
@@ -87,6 +107,12 @@ def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, *, seed: int | None 
                          f"{tuple(src.shape)}")
     if dst.device != src.device:
         raise ValueError(f"{fn}: dst and src must be on the same device, got {dst.device} and {src.device}")
+    check_bool(fn, "saturate", saturate)
     seed, offset = _seed_offset(fn, src.device, seed, offset, generator)
-    torch.ops.clipshard.stochastic_round_into(dst, src, seed, offset, bool(saturate))
+    if torch.is_grad_enabled() and (src.requires_grad or dst.requires_grad):
+        # copy_ brings torch's in-place checks and records the write in dst's history; the values
+        # are those of the fused kernel (both number elements in row-major order).
+        return dst.copy_(torch.ops.clipshard.stochastic_round(src, dst.dtype, seed, offset, saturate))
+    torch.ops.clipshard.stochastic_round_into(dst, src, seed, offset, saturate)
+    torch.autograd.graph.increment_version(dst)  # the kernel writes through a pointer autograd cannot see
     return dst

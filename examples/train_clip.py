@@ -25,8 +25,8 @@ import warnings  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from clip_digits.checkpoint import load_checkpoint, restore, save_checkpoint  # noqa: E402
-from clip_digits.data import contrastive_loss_floor, load_digits_data, rank_batch  # noqa: E402
+from clip_digits.checkpoint import CheckpointError, load_agreed_checkpoint, restore, save_checkpoint, saved_steps  # noqa: E402
+from clip_digits.data import contrastive_loss_floor, load_digits_data, num_train_images, rank_batch  # noqa: E402
 from clip_digits.measure import peak_loss_memory, zero_shot_accuracy  # noqa: E402
 from clip_digits.model import build_model  # noqa: E402
 from clip_digits.precision import HALF_DTYPES, TEXT_PRECISIONS, build_optimizers, optimizer_bytes_per_param  # noqa: E402
@@ -86,18 +86,30 @@ def parse_args(argv=None, world_size: int | None = None) -> argparse.Namespace:
     for name in positive:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    if not args.lr > 0:
-        parser.error(f"--lr must be positive, got {args.lr}")
-    if args.warmup < 0 or args.weight_decay < 0 or args.checkpoint_every < 0:
-        parser.error("--warmup, --weight-decay and --checkpoint-every must not be negative")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        parser.error(f"--lr must be positive and finite, got {args.lr}")
+    if not (args.weight_decay >= 0 and math.isfinite(args.weight_decay)):
+        parser.error(f"--weight-decay must be finite and not negative, got {args.weight_decay}")
+    for name in ("warmup", "checkpoint_every"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
+    if not 0 <= args.seed < 2**31:  # numpy seeds seed + rank; the data generators multiply it
+        parser.error(f"--seed must be in [0, 2**31), got {args.seed}")
     if args.batch_size % world_size:
         parser.error(f"--batch-size ({args.batch_size}) must be divisible by the number of ranks ({world_size})")
+    available = num_train_images()
+    if args.batch_size > available:
+        parser.error(f"--batch-size ({args.batch_size}) must not exceed the {available} training images")
     if args.text_width % args.text_heads:
         parser.error(f"--text-width ({args.text_width}) must be divisible by --text-heads ({args.text_heads})")
     if args.stop_after is not None and not 1 <= args.stop_after < args.steps:
         parser.error(f"--stop-after must be in [1, --steps), got {args.stop_after} with --steps {args.steps}")
+    if args.out is not None:
+        _check_out_dir(parser, args.out)
     if args.resume and not args.out:
         parser.error("--resume needs --out: the run folder to continue")
+    if args.resume and not any(saved_steps(args.out, rank) for rank in range(world_size)):
+        parser.error(f"--resume: no checkpoints in {os.path.join(args.out, 'checkpoint')}")
     if args.compare and (args.resume or args.stop_after is not None):
         parser.error("--compare cannot be combined with --resume or --stop-after")
     if args.device == "cuda" and not cuda_fits():
@@ -109,6 +121,15 @@ def parse_args(argv=None, world_size: int | None = None) -> argparse.Namespace:
         parser.error("--backend nccl needs --device cuda")
     args.device, args.backend = device, backend
     return args
+
+
+def _check_out_dir(parser: argparse.ArgumentParser, out: str) -> None:
+    """--out must be a folder or a path where one can be made (not a file, not under a file)."""
+    path = os.path.abspath(out)
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        parser.error(f"--out {out}: {path} is a file, not a folder")
 
 
 def make_loss(name: str, ranks: Ranks):
@@ -156,7 +177,10 @@ def train(args: argparse.Namespace, ranks: Ranks, out_dir: str, label: str = "",
     history = {"loss_steps": [], "loss": [], "eval_steps": [], "accuracy": []}
     start_step = 0
     if args.resume:
-        state = load_checkpoint(out_dir, ranks.rank)
+        try:
+            state = load_agreed_checkpoint(out_dir, ranks.rank, ranks.gather)
+        except CheckpointError as error:
+            raise SystemExit(str(error)) from None
         changed = {k: (state["config"][k], v) for k, v in config.items() if state["config"].get(k) != v}
         if changed:
             raise SystemExit(f"--resume: these settings differ from the checkpoint's (saved, given): {changed}")

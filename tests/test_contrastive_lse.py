@@ -307,7 +307,7 @@ BAD_INPUTS = [
     (lambda r, c: (r, c.double(), 1.0), TypeError, "same dtype, got torch.float32 and torch.float64"),
     (lambda r, c: (r.int(), c.int(), 1.0), TypeError, "rows and cols must have the same dtype|float32, float16"),
     (lambda r, c: (r, c.to("meta"), 1.0), ValueError, "same device"),
-    (lambda r, c: (r, c, torch.ones(2)), ValueError, r"scale must be a 0-dim tensor, got shape \(2,\)"),
+    (lambda r, c: (r, c, torch.ones(2)), ValueError, r"scale must be a one-element tensor, got shape \(2,\)"),
     (lambda r, c: (r[0], c, 1.0), ValueError, "rows must be 2-D"),
     (lambda r, c: (r[:0], c, 1.0), ValueError, "empty inputs"),
     (lambda r, c: (r, c[:4], 1.0), ValueError, "pos_offset \\+ M <= K"),

@@ -8,7 +8,7 @@ import torch
 
 import clipshard  # noqa: F401
 from clipshard.optim import AdamW, second_moment_key, to_half_precision_
-from clipshard.reference import adamw_step_reference, half_neighbours, stall_regression
+from clipshard.reference import adamw_step_reference, half_neighbours, round_to_nearest_reference, stall_regression
 from isa_utils import assert_same_bits_on_every_isa, run_under_each_isa
 
 HALF = (torch.float16, torch.bfloat16)
@@ -128,7 +128,7 @@ def test_one_step_16bit_is_a_neighbour_of_exact(param_dtype, state_dtype, stocha
     _assert_between_neighbours(m, exact[1], m_old.abs() + g_old.abs(), "exp_avg")
     _assert_between_neighbours(v, stored_exact_v, stored_exact_v, "exp_avg_sq")
     if not stochastic and param_dtype in HALF:  # round to nearest: the nearest neighbour
-        nearest = exact[0].float().to(param_dtype)
+        nearest = round_to_nearest_reference(exact[0], param_dtype)
         assert (p != nearest).float().mean() < 1e-3  # ties / fp32-vs-fp64 disagreements only
 
 
@@ -150,11 +150,32 @@ def test_vector_body_and_scalar_tail_agree(dtype):
         assert torch.equal(t[:3], t[-3:]) and not torch.equal(t[:3], t[3:6])
 
 
+def _explicit_normal(n, gen):
+    """About N(0, 1), made from integers (the sum of 12 uniforms minus 6, exact in fp64): the same
+    values on every CPU, which torch.randn's vectorised float32 path does not promise."""
+    return (torch.randint(0, 1 << 16, (n, 12), generator=gen).sum(1) - 6 * (1 << 16)).double() / (1 << 16)
+
+
+def _explicit_uniform(n, gen):
+    """Uniform on [0, 1) in steps of 2^-24, made from integers."""
+    return torch.randint(0, 1 << 24, (n,), generator=gen).double() / (1 << 24)
+
+
+def _fp32_sqrt(t):
+    """The correctly rounded fp32 square root of fp32 values, computed in fp64: the fp64 root is
+    within an fp64 ulp of the exact one, and the exact root of an fp32 value is never that close to
+    an fp32 rounding boundary, so rounding it to fp32 is exact. (torch's fp32 CPU sqrt is not
+    correctly rounded on every CPU.)"""
+    return t.double().sqrt().float()
+
+
 def _fp32_step_of(p, g, m, v, step, maximize):
     """The same step on fp32 copies through the fp32 kernel: the values the 16-bit kernel rounds
-    (fp16 second moments decoded from v^(1/4) first; both kernels then compute in fp32)."""
-    p32, g32, m32, q = p.float(), g.float(), m.float(), v.float()
-    v32 = (q * q) * (q * q) if v.dtype == torch.float16 else q
+    (fp16 second moments decoded from q = v^(1/4) first, as the kernel does: (q * q) * (q * q),
+    exact in fp64 and rounded once to fp32; both kernels then compute in fp32)."""
+    p32, g32, m32 = p.float(), g.float(), m.float()
+    q = v.double()
+    v32 = ((q * q) * (q * q)).float() if v.dtype == torch.float16 else v.float()
     torch.ops.clipshard.adamw_step_([p32], [g32], [m32], [v32], [step], 1e-2, 0.9, 0.99, 1e-8, 0.1, maximize,
                                     False, 0, 0)
     return p32, m32, v32
@@ -169,17 +190,19 @@ BOUNDARY_SIZES = (1, 3, 61, 64, 67, 511, 513, 2047, 16384 + 515)
 def test_16bit_results_are_the_fp32_update_rounded(dtype):
     """Every element, wherever it sits (vector bodies, tails, block and chunk boundaries), gets the
     fp32 kernel's update rounded: stochastically with the words of stochastic_round for the same
-    (seed, offset) for the parameter (stream 0), to nearest even (torch's cast) for all three."""
+    (seed, offset) for the parameter (stream 0), to nearest even for all three. Inputs are made
+    from integers and the rounding references are computed in fp64 (no torch fp32 kernel), so that
+    the test passes on any x86-64 CPU."""
     gen = torch.Generator().manual_seed(6)
     for n in BOUNDARY_SIZES:
-        p = (torch.randn(n, generator=gen) + 1.5).to(dtype)
-        g = (torch.randn(n, generator=gen) * 1e-2).to(dtype)
-        m = (torch.randn(n, generator=gen) * 1e-3).to(dtype)
-        v = (torch.rand(n, generator=gen) * 1e-4 + 1e-6)
+        p = (_explicit_normal(n, gen) + 1.5).to(dtype)
+        g = (_explicit_normal(n, gen) * 1e-2).to(dtype)
+        m = (_explicit_normal(n, gen) * 1e-3).to(dtype)
+        v = _explicit_uniform(n, gen) * 1e-4 + 1e-6
         v = (v.sqrt().sqrt() if dtype == torch.float16 else v).to(dtype)
         for maximize in (False, True):
             p32, m32, v32 = _fp32_step_of(p, g, m, v, 5, maximize)
-            stored_v = v32.sqrt().sqrt() if dtype == torch.float16 else v32
+            stored_v = _fp32_sqrt(_fp32_sqrt(v32)) if dtype == torch.float16 else v32
             sr_p, sr_g, sr_m, sr_v = (t.clone() for t in (p, g, m, v))
             torch.ops.clipshard.adamw_step_([sr_p], [sr_g], [sr_m], [sr_v], [5], 1e-2, 0.9, 0.99, 1e-8, 0.1,
                                             maximize, True, 77, 91)
@@ -187,9 +210,8 @@ def test_16bit_results_are_the_fp32_update_rounded(dtype):
             rn_p, rn_g, rn_m, rn_v = (t.clone() for t in (p, g, m, v))
             torch.ops.clipshard.adamw_step_([rn_p], [rn_g], [rn_m], [rn_v], [5], 1e-2, 0.9, 0.99, 1e-8, 0.1,
                                             maximize, False, 0, 0)
-            assert torch.equal(rn_p, p32.to(dtype)), n
-            assert torch.equal(rn_m, m32.to(dtype)), n
-            assert torch.equal(rn_v, stored_v.to(dtype)), n
+            for name, got, exact in (("param", rn_p, p32), ("exp_avg", rn_m, m32), ("exp_avg_sq", rn_v, stored_v)):
+                assert torch.equal(got, round_to_nearest_reference(exact, dtype)), (name, n)
             # stochastic moments: one of the two neighbours of the fp32 value, not all the nearest
             for stored, exact in ((sr_m, m32), (sr_v, stored_v)):
                 lo, hi = half_neighbours(exact.double(), dtype)

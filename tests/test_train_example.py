@@ -1,7 +1,10 @@
 """examples/train_clip.py: flag validation, data and model pieces in-process, and real 2-rank gloo
-runs through torchrun (a smoke run, and interrupted + resumed == uninterrupted, bit for bit)."""
+runs through torchrun (a smoke run, and interrupted + resumed == uninterrupted, bit for bit, also
+when the ranks' newest checkpoints differ); checkpoints that are damaged, missing on a rank or
+interrupted while being written are refused on every rank or leave the previous ones intact."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -12,6 +15,8 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 sys.path.insert(0, EXAMPLES)
 
 import train_clip  # noqa: E402
+from clip_digits import checkpoint  # noqa: E402
+from clip_digits.checkpoint import CheckpointError, checkpoint_path, load_checkpoint, save_checkpoint, saved_steps  # noqa: E402
 from clip_digits.data import global_batch_indices, load_digits_data, rank_batch  # noqa: E402
 from clip_digits.measure import peak_loss_memory  # noqa: E402
 from clip_digits.model import TextEncoder  # noqa: E402
@@ -27,7 +32,14 @@ TINY = ["--steps", "6", "--batch-size", "64", "--warmup", "2", "--eval-every", "
     (["--steps", "0"], "--steps must be at least 1, got 0"),
     (["--text-precision", "fp8"], "argument --text-precision: invalid choice: 'fp8'"),
     (["--loss", "naive"], "argument --loss: invalid choice: 'naive'"),
-    (["--lr", "0"], "--lr must be positive, got 0.0"),
+    (["--lr", "0"], "--lr must be positive and finite, got 0.0"),
+    (["--lr", "inf"], "--lr must be positive and finite, got inf"),
+    (["--lr", "nan"], "--lr must be positive and finite, got nan"),
+    (["--weight-decay", "nan"], "--weight-decay must be finite and not negative, got nan"),
+    (["--warmup", "-1"], "--warmup must not be negative, got -1"),
+    (["--seed", "-1"], "--seed must be in [0, 2**31), got -1"),
+    (["--seed", str(2**40)], "--seed must be in [0, 2**31)"),
+    (["--batch-size", "4000"], "--batch-size (4000) must not exceed the 1438 training images"),
     (["--resume"], "--resume needs --out"),
     (["--steps", "10", "--stop-after", "10"], "--stop-after must be in [1, --steps), got 10"),
     (["--text-width", "30", "--text-heads", "4"], "--text-width (30) must be divisible by --text-heads (4)"),
@@ -38,6 +50,18 @@ def test_bad_flags_exit_with_a_clear_message(argv, message, capsys):
         train_clip.parse_args(argv, world_size=2)
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_out_naming_a_file_and_resume_without_checkpoints_exit_with_a_clear_message(tmp_path, capsys):
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a run folder")
+    for argv, message in ((["--out", str(a_file)], f"{a_file} is a file, not a folder"),
+                          (["--out", str(a_file / "run")], f"{a_file} is a file, not a folder"),
+                          (["--out", str(tmp_path), "--resume"], f"--resume: no checkpoints in {tmp_path / 'checkpoint'}")):
+        with pytest.raises(SystemExit) as exit_info:
+            train_clip.parse_args(argv, world_size=2)
+        assert exit_info.value.code == 2
+        assert message in capsys.readouterr().err
 
 
 def test_default_flags_are_valid_for_two_ranks():
@@ -90,14 +114,19 @@ def test_peak_loss_memory_sees_a_materialised_similarity_matrix():
 
 # ---- real 2-rank runs -------------------------------------------------------------------------
 
-def _torchrun(out_dir, *extra):
+def _run_example(out_dir, *extra):
+    """The example on 2 gloo ranks through torchrun; a hang fails through the timeout."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                os.path.join(EXAMPLES, "train_clip.py"), "--out", str(out_dir), *TINY, *extra]
     repo = os.path.dirname(EXAMPLES)
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
+    return subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
+
+
+def _torchrun(out_dir, *extra):
     for attempt in range(2):
-        done = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
+        done = _run_example(out_dir, *extra)
         # A port picked by torchrun can be taken by another job before the ranks bind it: retry once.
         if done.returncode == 0 or "address already in use" not in done.stderr.lower():
             break
@@ -129,7 +158,7 @@ def test_smoke_run_writes_sane_metrics_and_a_plot(uninterrupted):
     assert (out_dir / "training.png").stat().st_size > 1000
     assert "zero-shot accuracy" in stdout
     # Stochastic rounding with the same bits on every rank keeps the replicas identical.
-    states = [torch.load(out_dir / "checkpoint" / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    states = [torch.load(checkpoint_path(out_dir, r, 6), weights_only=False) for r in range(2)]
     assert any(t.dtype == torch.bfloat16 for t in states[0]["model"].values())
     _assert_bitwise_equal(states[0]["model"], states[1]["model"], "model")
     _assert_bitwise_equal(states[0]["optimizers"], states[1]["optimizers"], "optimizers")
@@ -142,8 +171,8 @@ def test_interrupted_and_resumed_run_matches_the_uninterrupted_one_bitwise(unint
     assert not (tmp_path / "metrics.json").exists()
     _torchrun(tmp_path, "--resume")
     for rank in range(2):
-        whole = torch.load(whole_dir / "checkpoint" / f"rank{rank}.pt", weights_only=False)
-        resumed = torch.load(tmp_path / "checkpoint" / f"rank{rank}.pt", weights_only=False)
+        whole = torch.load(checkpoint_path(whole_dir, rank, 6), weights_only=False)
+        resumed = torch.load(checkpoint_path(tmp_path, rank, 6), weights_only=False)
         assert whole["step"] == resumed["step"] == 6
         _assert_bitwise_equal(whole["model"], resumed["model"], "model")
         _assert_bitwise_equal(whole["optimizers"], resumed["optimizers"], "optimizers")
@@ -169,3 +198,112 @@ def _assert_bitwise_equal(a, b, where):
         assert torch.equal(as_bytes(a), as_bytes(b)), where
     else:
         assert a == b, where
+
+
+# ---- resume that cannot mix steps, damaged checkpoints ------------------------------------------
+
+def _torchrun_failing(out_dir, *extra):
+    """Runs the example expecting it to refuse; returns its stderr."""
+    done = _run_example(out_dir, *extra)
+    assert done.returncode != 0, done.stdout[-3000:]
+    return done.stderr
+
+
+@pytest.fixture(scope="module")
+def stopped_at_4(tmp_path_factory):
+    """A run stopped after step 4 with --checkpoint-every 2: every rank keeps steps 2 and 4."""
+    out_dir = tmp_path_factory.mktemp("stopped")
+    _torchrun(out_dir, "--stop-after", "4")
+    return out_dir
+
+
+def _copy_run(source, target):
+    shutil.copytree(source, target)
+    return target
+
+
+def test_checkpoints_keep_the_last_two_steps_per_rank(stopped_at_4):
+    assert [saved_steps(stopped_at_4, r) for r in range(2)] == [[2, 4], [2, 4]]
+    assert not [name for name in os.listdir(stopped_at_4 / "checkpoint") if name.endswith(".tmp")]
+
+
+def test_resume_with_ranks_at_different_steps_takes_the_newest_common_step(stopped_at_4, uninterrupted, tmp_path):
+    """Rank 1 was killed while writing step 4 (so it has only step 2): both ranks resume from step 2
+    and the run ends bitwise where the uninterrupted one does."""
+    run = _copy_run(stopped_at_4, tmp_path / "run")
+    os.remove(checkpoint_path(run, 1, 4))
+    _torchrun(run, "--resume")
+    whole_dir, _ = uninterrupted
+    for rank in range(2):
+        whole = torch.load(checkpoint_path(whole_dir, rank, 6), weights_only=False)
+        resumed = torch.load(checkpoint_path(run, rank, 6), weights_only=False)
+        _assert_bitwise_equal(whole["model"], resumed["model"], "model")
+        _assert_bitwise_equal(whole["optimizers"], resumed["optimizers"], "optimizers")
+        assert whole["history"] == resumed["history"]
+    assert json.loads((run / "metrics.json").read_text())["resumed_from_step"] == 2
+
+
+def test_resume_without_a_common_step_is_refused_on_every_rank(stopped_at_4, tmp_path):
+    run = _copy_run(stopped_at_4, tmp_path / "run")
+    for step in (2, 4):
+        os.remove(checkpoint_path(run, 1, step))
+    stderr = _torchrun_failing(run, "--resume")
+    message = f"--resume: no step has a checkpoint of every rank in {run / 'checkpoint'} (rank 0: [2, 4]; rank 1: none)"
+    assert stderr.count(message) == 2, stderr[-3000:]  # once per rank
+
+
+def test_a_damaged_checkpoint_on_one_rank_is_refused_on_every_rank(stopped_at_4, tmp_path):
+    run = _copy_run(stopped_at_4, tmp_path / "run")
+    damaged = checkpoint_path(run, 1, 4)
+    with open(damaged, "r+b") as f:
+        f.truncate(os.path.getsize(damaged) // 2)
+    stderr = _torchrun_failing(run, "--resume")
+    assert stderr.count(f"rank 1: --resume: cannot read checkpoint {damaged}") == 2, stderr[-3000:]
+
+
+def _tiny_training_state():
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return dict(config={"seed": 0}, model=model, optimizers={"opt": opt},
+                schedulers={"opt": torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)},
+                generators={"sr": torch.Generator().manual_seed(1)}, history={"loss": []})
+
+
+@pytest.mark.parametrize("damage", ["empty", "truncated", "random bytes", "another file"])
+def test_damaged_checkpoints_give_an_error_naming_the_file(damage, tmp_path):
+    path = save_checkpoint(str(tmp_path), 0, step=3, **_tiny_training_state())
+    size = os.path.getsize(path)
+    if damage == "another file":
+        torch.save({"weights": torch.ones(2)}, path)
+    else:
+        with open(path, "r+b") as f:
+            if damage == "random bytes":
+                f.write(torch.randint(0, 256, (size,), generator=torch.Generator().manual_seed(0),
+                                      dtype=torch.uint8).numpy().tobytes())
+            f.truncate({"empty": 0, "truncated": size // 2, "random bytes": size}[damage])
+    with pytest.raises(CheckpointError, match=path):
+        load_checkpoint(str(tmp_path), 0, 3)
+
+
+def test_a_crash_while_saving_leaves_the_previous_checkpoints_intact(tmp_path, monkeypatch):
+    state = _tiny_training_state()
+    for step in (2, 4, 6):
+        checkpoint.save_checkpoint(str(tmp_path), 0, step=step, **state)
+    assert checkpoint.saved_steps(str(tmp_path), 0) == [4, 6]  # the last two are kept
+    synced = []
+    monkeypatch.setattr(checkpoint.os, "fsync", lambda fd: synced.append(fd))
+
+    def dies_half_way(obj, f):
+        f.write(b"half a checkpoint")
+        raise KeyboardInterrupt  # as if killed while writing
+
+    monkeypatch.setattr(checkpoint.torch, "save", dies_half_way)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save_checkpoint(str(tmp_path), 0, step=8, **state)
+    assert checkpoint.saved_steps(str(tmp_path), 0) == [4, 6] and not synced
+    assert checkpoint.load_checkpoint(str(tmp_path), 0, 6)["step"] == 6
+    monkeypatch.undo()
+    monkeypatch.setattr(checkpoint.os, "fsync", lambda fd: synced.append(fd))
+    checkpoint.save_checkpoint(str(tmp_path), 0, step=8, **state)
+    assert len(synced) == 2  # the file, then the folder (the rename)
+    assert checkpoint.saved_steps(str(tmp_path), 0) == [6, 8]

@@ -1,10 +1,12 @@
 // CUDA registration of contrastive_lse_forward / contrastive_lse_backward (docs/fused_loss_cuda.md):
-// input checks, scratch tensors and launches. The kernels live in contrastive_lse_kernels.cuh.
+// input checks and the choice of algorithm.
 //
-// Paths: the fp32-FMA kernels are the default for every dtype. tensor_cores=True selects the
-// (unverified) mma.sync kernels for fp16/bf16 where they apply (see use_tensor_cores).
-// allow_tf32 selects nothing: fp32 is always exact fp32 FMA.
-// `deterministic` is accepted; the backward is always deterministic (no atomics).
+// algorithm="chunked" (the default that the Python layer picks on CUDA): cuBLAS GEMMs over column
+// chunks plus fused elementwise kernels, contrastive_lse_chunked.cu; any strides.
+// algorithm="fused": the hand-written tile kernels of contrastive_lse_kernels.cuh, never leaving a
+// tile: the tensor-core (mma.sync) kernels for fp16/bf16 features with D % 8 == 0 on sm_80+ (see
+// use_tensor_cores), the fp32-FMA kernels otherwise; inputs are made contiguous first.
+// Every path is deterministic (no float atomics); `deterministic` is accepted for the schema.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -15,8 +17,11 @@
 #include <tuple>
 #include <type_traits>
 
+#include "../chunked/algorithm.h"
+#include "contrastive_lse_chunked.h"
 #include "contrastive_lse_kernels.cuh"
 #include "contrastive_lse_mma.cuh"
+#include "fp16_prescale.h"
 
 namespace clipshard {
 namespace {
@@ -64,8 +69,6 @@ void check_features(const char* fn, const Tensor& rows, const Tensor& cols, cons
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, fn,
               ": the CUDA kernels take float32, float16 or bfloat16 features, got ", dtype,
               dtype == at::kDouble ? " (float64 is supported by the CPU kernel only)" : "");
-  TORCH_CHECK(rows.is_contiguous() && cols.is_contiguous(), fn,
-              ": rows and cols must be contiguous (call .contiguous())");
   check_scalar(fn, "scale", scale, rows);
   if (bias.has_value()) check_scalar(fn, "bias", *bias, rows);
   const int64_t M = rows.size(0), K = cols.size(0);
@@ -94,10 +97,10 @@ void launch_forward(const k::ForwardParams<T>& p, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The tensor-core forward handles fp16/bf16 features with D % 8 == 0 and 16-byte aligned data on
-// sm_80 or newer; anything else falls back to the FMA kernel.
-bool use_tensor_cores(bool tensor_cores, const Tensor& rows, const Tensor& cols) {
-  if (!tensor_cores || rows.scalar_type() == at::kFloat || rows.size(1) % 8 != 0) return false;
+// The tensor-core kernels handle fp16/bf16 features with D % 8 == 0 and 16-byte aligned data on
+// sm_80 or newer; anything else takes the FMA kernels.
+bool use_tensor_cores(const Tensor& rows, const Tensor& cols) {
+  if (rows.scalar_type() == at::kFloat || rows.size(1) % 8 != 0) return false;
   const bool aligned = reinterpret_cast<uintptr_t>(rows.const_data_ptr()) % 16 == 0 &&
                        reinterpret_cast<uintptr_t>(cols.const_data_ptr()) % 16 == 0;
   return aligned && at::cuda::getCurrentDeviceProperties()->major >= 8;
@@ -123,23 +126,15 @@ void launch_backward(const k::BackwardParams<T>& p, bool mma, cudaStream_t strea
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-std::tuple<Tensor, Tensor, Tensor> contrastive_lse_forward_cuda(
-    const Tensor& rows, const Tensor& cols, const Tensor& scale, const c10::optional<Tensor>& bias,
-    int64_t pos_offset, bool want_col_lse, bool allow_tf32, bool tensor_cores,
-    bool /*deterministic: for the backward*/) {
-  constexpr const char* fn = "contrastive_lse_forward";
-  check_features(fn, rows, cols, scale, bias, pos_offset);
-  (void)allow_tf32;  // see the file comment
-  c10::cuda::CUDAGuard guard(rows.device());
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const int64_t M = rows.size(0), K = cols.size(0), D = rows.size(1);
-  const auto fopts = rows.options().dtype(at::kFloat);
-  const Tensor scale_f = scale.to(at::kFloat);
-  const Tensor bias_f = bias.has_value() ? bias->to(at::kFloat) : Tensor();
+// The fused tile kernels' forward (rows, cols contiguous; scale_f, bias_f fp32 on the device).
+std::tuple<Tensor, Tensor, Tensor> fused_forward(const Tensor& rows, const Tensor& cols, const Tensor& scale_f,
+                                                 const Tensor& bias_f, int64_t pos_offset, bool want_col_lse,
+                                                 cudaStream_t stream, const at::TensorOptions& fopts, int64_t M,
+                                                 int64_t K, int64_t D) {
   Tensor row_lse = at::empty({M}, fopts), pos_logit = at::empty({M}, fopts);
   Tensor col_lse = at::empty({want_col_lse ? K : 0}, fopts);
 
-  const bool mma = use_tensor_cores(tensor_cores, rows, cols);
+  const bool mma = use_tensor_cores(rows, cols);
   dispatch_features(rows.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
     const T* rows_p = rows.const_data_ptr<T>();
@@ -165,44 +160,54 @@ std::tuple<Tensor, Tensor, Tensor> contrastive_lse_forward_cuda(
   return {row_lse, pos_logit, col_lse};
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> contrastive_lse_backward_cuda(
-    const Tensor& grad_row_lse, const Tensor& grad_pos_logit,
-    const c10::optional<Tensor>& grad_col_lse, const Tensor& rows, const Tensor& cols,
-    const Tensor& scale, const c10::optional<Tensor>& bias, int64_t pos_offset,
-    const Tensor& row_lse, const c10::optional<Tensor>& col_lse, bool allow_tf32,
-    bool tensor_cores, bool deterministic) {
-  constexpr const char* fn = "contrastive_lse_backward";
+std::tuple<Tensor, Tensor, Tensor> contrastive_lse_forward_cuda(
+    const Tensor& rows, const Tensor& cols, const Tensor& scale, const c10::optional<Tensor>& bias,
+    int64_t pos_offset, bool want_col_lse, c10::string_view algorithm, int64_t workspace_bytes,
+    bool /*deterministic: every path is*/) {
+  constexpr const char* fn = "contrastive_lse_forward";
   check_features(fn, rows, cols, scale, bias, pos_offset);
-  (void)allow_tf32, (void)deterministic;  // see the file comment
+  const bool chunked = parse_algorithm(fn, algorithm) == Algorithm::kChunked;
   c10::cuda::CUDAGuard guard(rows.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int64_t M = rows.size(0), K = cols.size(0), D = rows.size(1);
   const auto fopts = rows.options().dtype(at::kFloat);
-
-  const Tensor g_row = float_vector(fn, "grad_row_lse", grad_row_lse, M, rows);
-  const Tensor g_pos = float_vector(fn, "grad_pos_logit", grad_pos_logit, M, rows);
-  const Tensor lse_row = float_vector(fn, "row_lse", row_lse, M, rows);
-  // An empty grad_col_lse (the gradient of an empty col_lse output) means "no column term".
-  const bool has_col = grad_col_lse.has_value() && grad_col_lse->numel() > 0;
-  Tensor g_col, lse_col;
-  if (has_col) {
-    TORCH_CHECK(col_lse.has_value() && col_lse->numel() == K, fn,
-                ": grad_col_lse is given, so col_lse must be a tensor of shape [", K, "]");
-    g_col = float_vector(fn, "grad_col_lse", *grad_col_lse, K, rows);
-    lse_col = float_vector(fn, "col_lse", *col_lse, K, rows);
-  }
   const Tensor scale_f = scale.to(at::kFloat);
   const Tensor bias_f = bias.has_value() ? bias->to(at::kFloat) : Tensor();
-  const float* bias_p = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
-  const float* g_col_p = has_col ? g_col.const_data_ptr<float>() : nullptr;
-  const float* lse_col_p = has_col ? lse_col.const_data_ptr<float>() : nullptr;
+  if (chunked) {  // the bias moves every output by the same amount
+    auto [row_lse, pos_logit, col_lse] =
+        contrastive_lse_forward_chunked_cuda(rows, cols, scale_f, pos_offset, want_col_lse, workspace_bytes);
+    if (bias_f.defined()) {
+      row_lse.add_(bias_f);
+      pos_logit.add_(bias_f);
+      if (want_col_lse) col_lse.add_(bias_f);
+    }
+    return {row_lse, pos_logit, col_lse};
+  }
+  return fused_forward(rows.contiguous(), cols.contiguous(), scale_f, bias_f, pos_offset, want_col_lse, stream, fopts,
+                       M, K, D);
+}
 
+// The fused tile kernels' backward: (d rows, d cols) in the features' dtype and the (d scale,
+// sum of dS) partial sums. rows, cols contiguous; the vectors fp32; biased LSEs with bias_f.
+std::tuple<Tensor, Tensor, Tensor> fused_backward(const Tensor& rows, const Tensor& cols, const Tensor& scale_f,
+                                                  const Tensor& bias_f, int64_t pos_offset, const Tensor& g_row,
+                                                  const Tensor& g_pos, const Tensor& lse_row, const Tensor& g_col,
+                                                  const Tensor& lse_col, cudaStream_t stream) {
+  const int64_t M = rows.size(0), K = cols.size(0), D = rows.size(1);
+  const auto fopts = rows.options().dtype(at::kFloat);
+  const float* bias_p = bias_f.defined() ? bias_f.const_data_ptr<float>() : nullptr;
+  const float* g_col_p = g_col.defined() ? g_col.const_data_ptr<float>() : nullptr;
+  const float* lse_col_p = g_col.defined() ? lse_col.const_data_ptr<float>() : nullptr;
   // fp32 accumulators of the two gradients (O((M + K) D)), and per-CTA partial sums of the row
   // pass for grad_scale / grad_bias, reduced in a fixed order: no atomics anywhere.
   Tensor grad_rows_f = at::zeros({M, D}, fopts), grad_cols_f = at::zeros({K, D}, fopts);
   const int64_t row_blocks = num_blocks(M);
   Tensor partials = at::empty({2, row_blocks}, fopts), sums = at::empty({2}, fopts);
-  const bool mma = use_tensor_cores(tensor_cores, rows, cols);
+  const bool mma = use_tensor_cores(rows, cols);
+  // fp16 dS operands of the tensor-core kernels are pre-scaled (fp16_prescale.h).
+  const Tensor prescale = mma && rows.scalar_type() == at::kHalf
+                              ? fp16_gradient_prescale(scale_f, g_row, g_col, g_pos) : Tensor();
+  const float* prescale_p = prescale.defined() ? prescale.const_data_ptr<float>() : nullptr;
 
   dispatch_features(rows.scalar_type(), [&](auto tag) {
     using T = decltype(tag);
@@ -214,26 +219,72 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> contrastive_lse_backward_cuda(
                                   /*pos_grad_by_own=*/true, pos_offset,
                                   grad_rows_f.mutable_data_ptr<float>(),
                                   partials[0].mutable_data_ptr<float>(),
-                                  partials[1].mutable_data_ptr<float>()};
+                                  partials[1].mutable_data_ptr<float>(), prescale_p};
     launch_backward(row_pass, mma, stream);
     k::BackwardParams<T> col_pass{cols_p, rows_p, K, M, D, scale_f.const_data_ptr<float>(), bias_p,
                                   lse_col_p, g_col_p, lse_row.const_data_ptr<float>(),
                                   g_row.const_data_ptr<float>(), g_pos.const_data_ptr<float>(),
                                   /*pos_grad_by_own=*/false, -pos_offset,
-                                  grad_cols_f.mutable_data_ptr<float>(), nullptr, nullptr};
+                                  grad_cols_f.mutable_data_ptr<float>(), nullptr, nullptr, prescale_p};
     launch_backward(col_pass, mma, stream);
   });
   k::sum_partials_kernel<<<1, k::kThreads, 0, stream>>>(partials[0].const_data_ptr<float>(),
                                                         partials[1].const_data_ptr<float>(),
                                                         row_blocks, sums.mutable_data_ptr<float>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (prescale.defined()) {
+    grad_rows_f.mul_(prescale[1]);
+    grad_cols_f.mul_(prescale[1]);
+  }
+  return {grad_rows_f.to(rows.scalar_type()), grad_cols_f.to(cols.scalar_type()), sums};
+}
 
+std::tuple<Tensor, Tensor, Tensor, Tensor> contrastive_lse_backward_cuda(
+    const Tensor& grad_row_lse, const Tensor& grad_pos_logit,
+    const c10::optional<Tensor>& grad_col_lse, const Tensor& rows, const Tensor& cols,
+    const Tensor& scale, const c10::optional<Tensor>& bias, int64_t pos_offset,
+    const Tensor& row_lse, const c10::optional<Tensor>& col_lse, c10::string_view algorithm,
+    int64_t workspace_bytes, bool /*deterministic: every path is*/) {
+  constexpr const char* fn = "contrastive_lse_backward";
+  check_features(fn, rows, cols, scale, bias, pos_offset);
+  const bool chunked = parse_algorithm(fn, algorithm) == Algorithm::kChunked;
+  c10::cuda::CUDAGuard guard(rows.device());
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int64_t M = rows.size(0), K = cols.size(0);
+
+  const Tensor g_row = float_vector(fn, "grad_row_lse", grad_row_lse, M, rows);
+  const Tensor g_pos = float_vector(fn, "grad_pos_logit", grad_pos_logit, M, rows);
+  Tensor lse_row = float_vector(fn, "row_lse", row_lse, M, rows);
+  // An empty grad_col_lse (the gradient of an empty col_lse output) means "no column term".
+  const bool has_col = grad_col_lse.has_value() && grad_col_lse->numel() > 0;
+  Tensor g_col, lse_col;
+  if (has_col) {
+    TORCH_CHECK(col_lse.has_value() && col_lse->numel() == K, fn,
+                ": grad_col_lse is given, so col_lse must be a tensor of shape [", K, "]");
+    g_col = float_vector(fn, "grad_col_lse", *grad_col_lse, K, rows);
+    lse_col = float_vector(fn, "col_lse", *col_lse, K, rows);
+  }
+  const Tensor scale_f = scale.to(at::kFloat);
+  const Tensor bias_f = bias.has_value() ? bias->to(at::kFloat) : Tensor();
+
+  Tensor grad_rows, grad_cols, grad_scale, grad_bias;
+  if (chunked) {  // the chunks are computed without the bias: take it out of the LSEs
+    if (bias_f.defined()) {
+      lse_row = lse_row - bias_f;
+      if (has_col) lse_col = lse_col - bias_f;
+    }
+    std::tie(grad_rows, grad_cols, grad_scale, grad_bias) = contrastive_lse_backward_chunked_cuda(
+        g_row, g_pos, g_col, rows, cols, scale_f, pos_offset, lse_row, lse_col, workspace_bytes);
+  } else {
+    Tensor sums;
+    std::tie(grad_rows, grad_cols, sums) = fused_backward(rows.contiguous(), cols.contiguous(), scale_f, bias_f,
+                                                          pos_offset, g_row, g_pos, lse_row, g_col, lse_col, stream);
+    grad_scale = sums[0];
+    grad_bias = sums[1];
+  }
   // Fresh tensors (copy=true): outputs must not alias each other.
-  const Tensor grad_scale = sums[0].to(scale.scalar_type(), false, true);
-  const Tensor grad_bias =
-      sums[1].to(bias.has_value() ? bias->scalar_type() : scale.scalar_type(), false, true);
-  return {grad_rows_f.to(rows.scalar_type()), grad_cols_f.to(cols.scalar_type()), grad_scale,
-          grad_bias};
+  return {grad_rows, grad_cols, grad_scale.to(scale.scalar_type(), false, true),
+          grad_bias.to(bias.has_value() ? bias->scalar_type() : scale.scalar_type(), false, true)};
 }
 
 }  // namespace

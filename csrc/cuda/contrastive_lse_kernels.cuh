@@ -11,6 +11,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "clipshard/online_lse.h"
+
 namespace clipshard {
 namespace lse_cuda {
 
@@ -54,35 +56,16 @@ struct BackwardParams {
   const float* pos_grad;  // indexed by the own index when pos_grad_by_own, else by the other index
   bool pos_grad_by_own;
   int64_t pos_delta;
-  float* grad_own;       // n_own x dim fp32, zeroed; this kernel adds scale * dS @ other
+  float* grad_own;       // n_own x dim fp32, zeroed; this kernel adds prescale * scale * dS @ other
   float* partial_scale;  // per CTA: sum of dS * (own . other), or nullptr
   float* partial_bias;   // per CTA: sum of dS, or nullptr
+  // Tensor-core kernel only: a power of two applied to scale * dS before it is rounded to a 16-bit
+  // mma operand (so that gradients near 1e-8 survive fp16), undone by the caller; nullptr for none.
+  const float* prescale;
 };
 
 __device__ __forceinline__ float logit(float scale, float dot, float bias) {
   return fmaf(scale, dot, bias);
-}
-
-// Folds the values x[0..N) into a running (max m, sum s) of exp(x - m). The reference point is
-// 0 while everything seen is -inf, so no inf - inf appears; a NaN reaches s through exp and stays.
-template <int N>
-__device__ __forceinline__ void online_lse_add(float& m, float& s, const float (&x)[N]) {
-  float new_m = m;
-#pragma unroll
-  for (int j = 0; j < N; ++j) new_m = fmaxf(new_m, x[j]);
-  const float ref = new_m == -INFINITY ? 0.f : new_m;
-  float sum = s * expf(m - ref);
-#pragma unroll
-  for (int j = 0; j < N; ++j) sum += expf(x[j] - ref);
-  m = new_m;
-  s = sum;
-}
-
-__device__ __forceinline__ void online_lse_merge(float& m, float& s, float m2, float s2) {
-  const float new_m = fmaxf(m, m2);
-  const float ref = new_m == -INFINITY ? 0.f : new_m;
-  s = s * expf(m - ref) + s2 * expf(m2 - ref);
-  m = new_m;
 }
 
 // tile[k][r] = src[row0 + r][k0 + k] as fp32 for r < kTile, k < kDepth; zero outside the matrix.
@@ -137,9 +120,9 @@ __global__ void __launch_bounds__(kThreads) lse_forward_kernel(ForwardParams<T> 
   const int tx = threadIdx.x % kSide, ty = threadIdx.x / kSide;
   const int64_t own0 = static_cast<int64_t>(blockIdx.x) * kTile;
   const float scale = *p.scale, bias = p.bias ? *p.bias : 0.f;
-  float m[kPer], s[kPer];
+  OnlineLse<float> lse[kPer];
 #pragma unroll
-  for (int i = 0; i < kPer; ++i) m[i] = -INFINITY, s[i] = 0.f;
+  for (int i = 0; i < kPer; ++i) lse[i] = OnlineLse<float>::empty();
 
   for (int64_t other0 = 0; other0 < p.n_other; other0 += kTile) {
     float acc[kPer][kPer];
@@ -147,14 +130,14 @@ __global__ void __launch_bounds__(kThreads) lse_forward_kernel(ForwardParams<T> 
 #pragma unroll
     for (int i = 0; i < kPer; ++i) {
       const int64_t row = own0 + ty + kSide * i;
-      float x[kPer];
 #pragma unroll
       for (int j = 0; j < kPer; ++j) {
         const int64_t col = other0 + tx + kSide * j;
-        x[j] = col < p.n_other ? logit(scale, acc[i][j], bias) : -INFINITY;
-        if (p.pos != nullptr && row < p.n_own && col - row == p.pos_delta) p.pos[row] = x[j];
+        if (col >= p.n_other) continue;
+        const float x = logit(scale, acc[i][j], bias);
+        if (p.pos != nullptr && row < p.n_own && col - row == p.pos_delta) p.pos[row] = x;
+        lse[i].add(x);
       }
-      online_lse_add(m[i], s[i], x);
     }
   }
   // The kSide threads of a row are kSide consecutive lanes of one warp: merge them in a fixed tree.
@@ -162,12 +145,12 @@ __global__ void __launch_bounds__(kThreads) lse_forward_kernel(ForwardParams<T> 
   for (int i = 0; i < kPer; ++i) {
 #pragma unroll
     for (int lane_mask = kSide / 2; lane_mask > 0; lane_mask /= 2) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, m[i], lane_mask, kSide);
-      const float s2 = __shfl_xor_sync(0xffffffffu, s[i], lane_mask, kSide);
-      online_lse_merge(m[i], s[i], m2, s2);
+      const float m2 = __shfl_xor_sync(0xffffffffu, lse[i].max, lane_mask, kSide);
+      const float s2 = __shfl_xor_sync(0xffffffffu, lse[i].sum, lane_mask, kSide);
+      lse[i].merge({m2, s2});
     }
     const int64_t row = own0 + ty + kSide * i;
-    if (tx == 0 && row < p.n_own) p.lse[row] = m[i] + logf(s[i]);
+    if (tx == 0 && row < p.n_own) p.lse[row] = lse[i].value();
   }
 }
 
@@ -222,10 +205,9 @@ __global__ void __launch_bounds__(kThreads) lse_backward_kernel(BackwardParams<T
         const int64_t row = own0 + ty + kSide * i;
         float d = 0.f;
         if (col_valid && row < p.n_own) {
-          const float x = logit(scale, acc[i][j], bias);
-          if (p.own_grad != nullptr) d += own_grad[i] * expf(x - own_lse[i]);
-          if (p.other_grad != nullptr) d += other_grad * expf(x - other_lse);
-          if (col - row == p.pos_delta) d += p.pos_grad[p.pos_grad_by_own ? row : col];
+          const bool positive = col - row == p.pos_delta;
+          d = softmax_dlogit(logit(scale, acc[i][j], bias), own_grad[i], own_lse[i], other_grad, other_lse,
+                             positive ? p.pos_grad[p.pos_grad_by_own ? row : col] : 0.f, positive);
           sum_scale = fmaf(d, acc[i][j], sum_scale);
           sum_bias += d;
         }

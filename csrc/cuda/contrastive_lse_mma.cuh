@@ -2,7 +2,7 @@
 // (docs/fused_loss_cuda.md): mma.sync.m16n8k16 with fp32 accumulators, operands staged through
 // shared memory and read with ldmatrix, online log-sum-exp on the accumulator fragments; the
 // backward feeds dS (rounded to the input dtype) from registers as the A operand of dS @ other.
-// Selected only by tensor_cores=True, for D % 8 == 0 and 16-byte aligned features on sm_80+.
+// Used by algorithm="fused" for D % 8 == 0 and 16-byte aligned features on sm_80+.
 // UNVERIFIED: compiled for sm_80/sm_90, never run on a GPU.
 #pragma once
 
@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kMmaThreads) lse_forward_mma_kernel(ForwardPar
   const float scale = *p.scale, bias = p.bias ? *p.bias : 0.f;
   // This lane's rows: accumulator elements 0,1 belong to row `group`, 2,3 to row `group + 8`.
   const int64_t my_row[2] = {own0 + warp * 16 + group, own0 + warp * 16 + group + 8};
-  float m[2] = {-INFINITY, -INFINITY}, s[2] = {0.f, 0.f};
+  OnlineLse<float> lse[2] = {OnlineLse<float>::empty(), OnlineLse<float>::empty()};
 
   for (int64_t other0 = 0; other0 < p.n_other; other0 += kMmaCols) {
     float acc[kMmaFrags][4];
@@ -168,18 +168,17 @@ __global__ void __launch_bounds__(kMmaThreads) lse_forward_mma_kernel(ForwardPar
     // acc[f][2h + e] is the dot product of row my_row[h] with other row other0 + 8f + 2 quad + e.
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float x[2 * kMmaFrags];
 #pragma unroll
       for (int f = 0; f < kMmaFrags; ++f)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int64_t col = other0 + 8 * f + 2 * quad + e;
-          const float v = col < p.n_other ? logit(scale, acc[f][2 * h + e], bias) : -INFINITY;
-          x[2 * f + e] = v;
+          if (col >= p.n_other) continue;
+          const float v = logit(scale, acc[f][2 * h + e], bias);
           if (p.pos != nullptr && my_row[h] < p.n_own && col - my_row[h] == p.pos_delta)
             p.pos[my_row[h]] = v;
+          lse[h].add(v);
         }
-      online_lse_add(m[h], s[h], x);
     }
   }
   // The 4 lanes of a fragment row differ in the two low lane bits: merge in a fixed tree.
@@ -187,17 +186,17 @@ __global__ void __launch_bounds__(kMmaThreads) lse_forward_mma_kernel(ForwardPar
   for (int h = 0; h < 2; ++h) {
 #pragma unroll
     for (int lane_mask = 1; lane_mask < 4; lane_mask *= 2) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, m[h], lane_mask);
-      const float s2 = __shfl_xor_sync(0xffffffffu, s[h], lane_mask);
-      online_lse_merge(m[h], s[h], m2, s2);
+      const float m2 = __shfl_xor_sync(0xffffffffu, lse[h].max, lane_mask);
+      const float s2 = __shfl_xor_sync(0xffffffffu, lse[h].sum, lane_mask);
+      lse[h].merge({m2, s2});
     }
-    if (quad == 0 && my_row[h] < p.n_own) p.lse[my_row[h]] = m[h] + logf(s[h]);
+    if (quad == 0 && my_row[h] < p.n_own) p.lse[my_row[h]] = lse[h].value();
   }
 }
 
 // One CTA (4 warps) per 64 own rows: recompute each 64 x 64 logit tile on tensor cores, form dS
-// in fp32 registers, and add scale * dS @ other to the CTA's own rows of grad_own, 64 features at
-// a time, with dS rounded to T as the A operand. Same contract as lse_backward_kernel;
+// in fp32 registers, and add prescale * scale * dS @ other to the CTA's own rows of grad_own, 64
+// features at a time, with prescale * scale * dS rounded to T as the A operand. Same contract as lse_backward_kernel;
 // deterministic (fixed order, no atomics).
 template <typename T>
 __global__ void __launch_bounds__(kMmaThreads) lse_backward_mma_kernel(BackwardParams<T> p) {
@@ -211,6 +210,9 @@ __global__ void __launch_bounds__(kMmaThreads) lse_backward_mma_kernel(BackwardP
   const int64_t own0 = static_cast<int64_t>(blockIdx.x) * kMmaRows;
   const float scale = *p.scale, bias = p.bias ? *p.bias : 0.f;
   const int64_t my_row[2] = {own0 + warp * 16 + group, own0 + warp * 16 + group + 8};
+  // dS is rounded to T for the mma: pre-scaled by a power of two so that fp16 keeps gradients
+  // far below its smallest subnormal (6e-8); the caller multiplies grad_own back.
+  const float scale_out = scale * (p.prescale ? *p.prescale : 1.f);
   float own_lse[2], own_grad[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -240,15 +242,14 @@ __global__ void __launch_bounds__(kMmaThreads) lse_backward_mma_kernel(BackwardP
         for (int h = 0; h < 2; ++h) {
           float d = 0.f;
           if (col_valid && my_row[h] < p.n_own) {
-            const float x = logit(scale, acc[f][2 * h + e], bias);
-            if (p.own_grad != nullptr) d += own_grad[h] * expf(x - own_lse[h]);
-            if (p.other_grad != nullptr) d += other_grad * expf(x - other_lse);
-            if (col - my_row[h] == p.pos_delta)
-              d += p.pos_grad[p.pos_grad_by_own ? my_row[h] : col];
+            const bool positive = col - my_row[h] == p.pos_delta;
+            d = softmax_dlogit(logit(scale, acc[f][2 * h + e], bias), own_grad[h], own_lse[h], other_grad,
+                               other_lse, positive ? p.pos_grad[p.pos_grad_by_own ? my_row[h] : col] : 0.f,
+                               positive);
             sum_scale = fmaf(d, acc[f][2 * h + e], sum_scale);
             sum_bias += d;
           }
-          acc[f][2 * h + e] = scale * d;
+          acc[f][2 * h + e] = scale_out * d;
         }
       }
     uint32_t ds[kMmaCols / 16][4];

@@ -133,3 +133,8 @@ def contrastive_loss_floor(data: DigitsData, batch_size: int, seed: int, steps: 
         labels = data.train_labels[global_batch_indices(len(data.train_labels), batch_size, seed, step)]
         floors.append(torch.bincount(labels, minlength=10)[labels].double().log().mean().item())
     return sum(floors) / len(floors)
+
+
+def num_train_images() -> int:
+    """How many images the training split has (the largest possible global batch)."""
+    return len(load_digits_data().train_labels)

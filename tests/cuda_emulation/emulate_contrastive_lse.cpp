@@ -8,6 +8,7 @@
 #include "emulate_mma.h"
 // The kernels, compiled as host code:
 #include "contrastive_lse_mma.cuh"
+#include "fp16_prescale.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -22,7 +23,11 @@ struct Case {
   float scale;
   bool has_bias, has_col;
   bool nan_row;  // put a NaN into row 1
+  bool realistic = false;  // upstream gradients of a real loss: 0.5 / 65536 per row and column
 };
+
+// The negative control: run fp16 without the gradient pre-scale (what the kernels did before it).
+static bool g_without_prescale = false;
 
 static unsigned blocks(int64_t n) { return static_cast<unsigned>((n + k::kTile - 1) / k::kTile); }
 
@@ -48,6 +53,13 @@ static bool run_case(const Case& c, std::mt19937& gen) {
   for (auto& v : g_row) v = unit(gen);
   for (auto& v : g_pos) v = unit(gen);
   for (auto& v : g_col) v = unit(gen);
+  if (c.realistic) {
+    std::uniform_real_distribution<float> spread(0.5f, 1.5f);
+    const float g = 0.5f / 65536.f;
+    for (auto& v : g_row) v = g * spread(gen);
+    for (auto& v : g_col) v = g * spread(gen);
+    for (int64_t i = 0; i < M; ++i) g_pos[i] = -(g_row[i] + g_col[i + c.pos]);
+  }
   if (c.nan_row) rows[1 * D + 0] = T(NAN);
   const float scale = c.scale, bias = 0.75f;
   const float* bias_p = c.has_bias ? &bias : nullptr;
@@ -65,17 +77,26 @@ static bool run_case(const Case& c, std::mt19937& gen) {
                                      col_lse.data(), nullptr, 0});
   std::vector<float> grad_rows(M * D, 0.f), grad_cols(K * D, 0.f), partials(2 * blocks(M)), sums(2);
   const float* g_col_p = c.has_col ? g_col.data() : nullptr;
+  float prescale[2] = {1.f, 1.f};  // fp16 tensor-core operands are pre-scaled (fp16_prescale.cuh)
+  const bool prescaled = std::is_same_v<T, c10::Half> && !g_without_prescale;
+  if (prescaled)
+    emulate_launch([&](int) { clipshard::fp16_prescale::prescale_kernel(&scale, g_row.data(), M, g_pos.data(), g_col_p,
+                                                                        K, prescale); },
+                   1u, clipshard::fp16_prescale::kThreads, 0);
+  const float* prescale_p = prescaled ? prescale : nullptr;
   const float* col_lse_p = c.has_col ? col_lse.data() : nullptr;
   emulate_launch(backward, blocks(M), threads,
                  k::BackwardParams<T>{rows.data(), cols.data(), M, K, D, &scale, bias_p,
                                       row_lse.data(), g_row.data(), col_lse_p, g_col_p,
                                       g_pos.data(), true, c.pos, grad_rows.data(),
-                                      partials.data(), partials.data() + blocks(M)});
+                                      partials.data(), partials.data() + blocks(M), prescale_p});
   emulate_launch(backward, blocks(K), threads,
                  k::BackwardParams<T>{cols.data(), rows.data(), K, M, D, &scale, bias_p,
                                       col_lse_p, g_col_p, row_lse.data(), g_row.data(),
                                       g_pos.data(), false, -c.pos, grad_cols.data(), nullptr,
-                                      nullptr});
+                                      nullptr, prescale_p});
+  for (auto& v : grad_rows) v *= prescale[1];
+  for (auto& v : grad_cols) v *= prescale[1];
   auto sum_kernel = [&](int) {
     k::sum_partials_kernel(partials.data(), partials.data() + blocks(M), blocks(M), sums.data());
   };
@@ -109,7 +130,9 @@ static bool run_case(const Case& c, std::mt19937& gen) {
     for (int64_t i = 0; i < M; ++i) x[i] = S[i * K + j], nan |= std::isnan(x[i]);
     ref_col[j] = nan ? NAN : lse(x);
   }
-  std::vector<double> ref_grad_rows(M * D, 0.0), ref_grad_cols(K * D, 0.0);
+  // bound_*: sum of |each term| of a gradient entry, the scale of its rounding error.
+  std::vector<double> ref_grad_rows(M * D, 0.0), ref_grad_cols(K * D, 0.0), bound_rows(M * D, 0.0),
+      bound_cols(K * D, 0.0);
   double ref_scale = 0, ref_bias = 0, bound = 0;
   for (int64_t i = 0; i < M; ++i)
     for (int64_t j = 0; j < K; ++j) {
@@ -120,6 +143,8 @@ static bool run_case(const Case& c, std::mt19937& gen) {
       for (int64_t f = 0; f < D; ++f) {
         ref_grad_rows[i * D + f] += scale * d * float(cols[j * D + f]);
         ref_grad_cols[j * D + f] += scale * d * float(rows[i * D + f]);
+        bound_rows[i * D + f] += std::fabs(scale * d * float(cols[j * D + f]));
+        bound_cols[j * D + f] += std::fabs(scale * d * float(rows[i * D + f]));
       }
       ref_scale += d * dot[i * K + j];
       ref_bias += d;
@@ -142,20 +167,19 @@ static bool run_case(const Case& c, std::mt19937& gen) {
     ok &= close(pos[i], S[i * K + i + c.pos], atol, "pos_logit", i);
   }
   for (int64_t j = 0; j < K && ok; ++j) ok &= close(col_lse[j], ref_col[j], atol, "col_lse", j);
-  double max_rows = 0, max_cols = 0;
-  for (double v : ref_grad_rows) max_rows = std::max(max_rows, std::fabs(v));
-  for (double v : ref_grad_cols) max_cols = std::max(max_cols, std::fabs(v));
-  // The tensor-core backward rounds scale * dS to T before the dS @ other product.
+  // The tensor-core backward rounds (pre-scaled) scale * dS to T before the dS @ other product:
+  // each gradient entry is checked against the sum of its terms' magnitudes, so a term lost to
+  // underflow fails the check.
   const double grad_tol = !kMma ? 1e-4 : std::is_same_v<T, c10::Half> ? 2e-3 : 1.6e-2;
   for (int64_t n = 0; n < M * D && ok; ++n)
-    ok &= close(grad_rows[n], ref_grad_rows[n], grad_tol * max_rows, "grad_rows", n);
+    ok &= close(grad_rows[n], ref_grad_rows[n], grad_tol * bound_rows[n], "grad_rows", n);
   for (int64_t n = 0; n < K * D && ok; ++n)
-    ok &= close(grad_cols[n], ref_grad_cols[n], grad_tol * max_cols, "grad_cols", n);
+    ok &= close(grad_cols[n], ref_grad_cols[n], grad_tol * bound_cols[n], "grad_cols", n);
   ok &= close(sums[0], ref_scale, 1e-5 * bound, "grad_scale", 0);
   ok &= close(sums[1], ref_bias, 1e-5 * bound, "grad_bias", 0);
-  std::printf("%s %s M=%lld K=%lld D=%lld pos=%lld scale=%g bias=%d col=%d\n", ok ? "ok" : "FAILED",
+  std::printf("%s %s M=%lld K=%lld D=%lld pos=%lld scale=%g bias=%d col=%d%s\n", ok ? "ok" : "FAILED",
               path, (long long)M, (long long)K, (long long)D, (long long)c.pos, scale, c.has_bias,
-              c.has_col);
+              c.has_col, c.realistic ? " realistic-gradients" : "");
   return ok;
 }
 
@@ -172,12 +196,19 @@ int main() {
       {1, 1, 8, 0, 1.f, false, true, false},     {3, 5, 16, 2, 14.3f, true, true, false},
       {65, 130, 40, 1, 1.f, true, true, false},  {70, 200, 72, 100, 100.f, false, true, false},
       {129, 129, 64, 0, 14.3f, true, false, false}, {40, 90, 24, 10, 14.3f, false, true, true},
+      {64, 16384, 64, 0, 14.3f, false, true, false, true},  // realistic upstream gradients
   };
   bool all = true;
   for (const Case& c : fma_cases) all &= run_case<float>(c, gen);
   for (const Case& c : mma_cases) all &= run_case<c10::BFloat16>(c, gen);
-  for (const Case& c : mma_cases)  // fp16 differs from bf16 only in pack_pair: fewer cases
-    if (c.M == 3 || c.M == 70 || c.nan_row) all &= run_case<c10::Half>(c, gen);
+  for (const Case& c : mma_cases)  // fp16 differs from bf16 in pack_pair and the pre-scale
+    if (c.M == 3 || c.M == 70 || c.nan_row || c.realistic) all &= run_case<c10::Half>(c, gen);
+  // Control: with realistic gradients, fp16 dS without the pre-scale underflows and must fail.
+  g_without_prescale = true;
+  const bool control_failed = !run_case<c10::Half>(mma_cases[6], gen);
+  std::printf("%s control: fp16 without the pre-scale %s\n", control_failed ? "ok" : "FAILED",
+              control_failed ? "loses the negative-pair gradients, as expected" : "passed: the test cannot see underflow");
+  all &= control_failed;
   std::printf(all ? "ALL OK\n" : "SOME FAILED\n");
   return all ? 0 : 1;
 }

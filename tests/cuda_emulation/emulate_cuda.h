@@ -59,21 +59,32 @@ inline float __shfl_down_sync(unsigned, float v, unsigned offset) {
   return emulated_shuffle(v, static_cast<int>(threadIdx.x % 32 + offset));
 }
 
-// kernel<<<grid, block>>>(params), blocks one after another.
+inline thread_local dim3 gridDim;
+
+// kernel<<<grid, block>>>(params) for a 2-D grid, blocks one after another.
+template <typename Kernel, typename Params>
+void emulate_launch(Kernel kernel, dim3 grid, unsigned block, const Params& params) {
+  for (unsigned by = 0; by < grid.y; ++by)
+    for (unsigned bx = 0; bx < grid.x; ++bx) {
+      std::barrier<> barrier(block);
+      auto state = std::make_unique<EmulatedBlock>();
+      state->barrier = &barrier;
+      g_block = state.get();
+      std::vector<std::thread> threads;
+      for (unsigned t = 0; t < block; ++t)
+        threads.emplace_back([&, t, bx, by] {
+          threadIdx.x = t;
+          blockIdx.x = bx;
+          blockIdx.y = by;
+          gridDim = grid;
+          kernel(params);
+        });
+      for (auto& thread : threads) thread.join();
+    }
+}
+
+// kernel<<<grid, block>>>(params) for a 1-D grid.
 template <typename Kernel, typename Params>
 void emulate_launch(Kernel kernel, unsigned grid, unsigned block, const Params& params) {
-  for (unsigned b = 0; b < grid; ++b) {
-    std::barrier<> barrier(block);
-    auto state = std::make_unique<EmulatedBlock>();
-    state->barrier = &barrier;
-    g_block = state.get();
-    std::vector<std::thread> threads;
-    for (unsigned t = 0; t < block; ++t)
-      threads.emplace_back([&, t, b] {
-        threadIdx.x = t;
-        blockIdx.x = b;
-        kernel(params);
-      });
-    for (auto& thread : threads) thread.join();
-  }
+  emulate_launch(kernel, dim3{grid, 1, 1}, block, params);
 }

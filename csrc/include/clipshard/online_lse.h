@@ -86,12 +86,13 @@ struct OnlineLse {
 };
 
 // d loss / d S[i, j] of the contrastive loss: the row-softmax term weighted by the row's upstream
-// gradient, the column-softmax term weighted by the column's (0 when there is no column term),
-// and the positive logit's upstream gradient on the positive pair. S, row_lse and col_lse are all
-// without the logit bias (it cancels).
+// gradient, the column-softmax term weighted by the column's, and the positive logit's upstream
+// gradient on the positive pair. A zero weight drops its term (so an absent column term needs no
+// log-sum-exp). S, row_lse and col_lse either all include the logit bias or all exclude it.
 template <typename T>
 CLIPSHARD_HOST_DEVICE T softmax_dlogit(T s, T g_row, T row_lse, T g_col, T col_lse, T g_pos, bool positive) {
-  T d = g_row * lse_exp(s - row_lse);
+  T d = T(0);
+  if (g_row != T(0)) d += g_row * lse_exp(s - row_lse);
   if (g_col != T(0)) d += g_col * lse_exp(s - col_lse);
   return positive ? d + g_pos : d;
 }

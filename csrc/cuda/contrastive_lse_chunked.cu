@@ -1,0 +1,139 @@
+// Launches of the chunked contrastive_lse on CUDA (see contrastive_lse_chunked.h): the chunk
+// driver of csrc/chunked runs the GEMMs, the kernels of contrastive_lse_chunked_kernels.cuh the
+// rest. Everything is on the current stream; nothing waits for the device.
+#include "contrastive_lse_chunked.h"
+
+#include <ATen/cuda/CUDAContext.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "../chunked/chunk_driver.h"
+#include "contrastive_lse_chunked_kernels.cuh"
+#include "fp16_prescale.h"
+
+namespace clipshard {
+namespace {
+
+using at::Tensor;
+namespace k = chunked_cuda;
+
+// Workspace bytes per logit: the fp32 chunk plus the column partials (8 bytes per 32 rows),
+// rounded up; the gradient pass adds the dlogits chunk.
+constexpr int64_t kForwardBytesPerLogit = 5;
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Row blocks of kRowsPerCta rows: the grid's y dimension.
+unsigned row_blocks(const char* fn, int64_t M) {
+  const int64_t n = ceil_div(M, k::kRowsPerCta);
+  TORCH_CHECK(n <= 65535, fn, ": too many rows (", M, ") for the chunked kernels' grid (at most ",
+              65535 * int64_t(k::kRowsPerCta), ")");
+  return static_cast<unsigned>(n);
+}
+
+// Column splits: enough CTAs for about three per SM, each with as many column steps as possible
+// (every CTA ends with a reduction of its 32 row states, worth amortising).
+unsigned column_splits(int64_t width, unsigned n_row_blocks) {
+  const int64_t steps = ceil_div(width, k::kThreads);
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t wanted = ceil_div(3 * sms, n_row_blocks);
+  return static_cast<unsigned>(std::clamp<int64_t>(wanted, 1, steps));
+}
+
+k::Lse* as_states(const Tensor& t) { return reinterpret_cast<k::Lse*>(t.data_ptr<float>()); }
+
+template <typename F>
+void dispatch_features(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat: return f(float{});
+    case at::kHalf: return f(at::Half{});
+    case at::kBFloat16: return f(at::BFloat16{});
+    default: TORCH_INTERNAL_ASSERT(false, "unsupported dtype ", dtype);
+  }
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor> contrastive_lse_forward_chunked_cuda(
+    const Tensor& rows, const Tensor& cols, const Tensor& scale, int64_t pos_offset, bool want_col_lse,
+    int64_t workspace_bytes) {
+  const int64_t M = rows.size(0), K = cols.size(0);
+  const int64_t kc = chunked::chunk_columns(M, K, kForwardBytesPerLogit, workspace_bytes);
+  const unsigned gy = row_blocks("contrastive_lse_forward", M);
+  const auto f32 = rows.options().dtype(at::kFloat);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+
+  // Running (max, sum) of every row across chunks: starts empty.
+  Tensor running = at::empty({M, 2}, f32);
+  running.select(1, 0).fill_(-std::numeric_limits<float>::infinity());
+  running.select(1, 1).zero_();
+  const Tensor row_partial = at::empty({int64_t(column_splits(kc, gy)) * M * 2}, f32);
+  const Tensor col_partial = want_col_lse ? at::empty({int64_t(gy) * kc * 2}, f32) : Tensor();
+  Tensor row_lse = at::empty({M}, f32), pos_logit = at::empty({M}, f32);
+  Tensor col_lse = at::empty({want_col_lse ? K : 0}, f32);
+
+  chunked::for_each_chunk(rows, cols, kc, [&](const chunked::Chunk& chunk) {
+    const unsigned gx = column_splits(chunk.width, gy);
+    const k::ForwardChunkParams p{chunk.dots.const_data_ptr<float>(), M, chunk.width, chunk.begin,
+                                  scale.const_data_ptr<float>(), pos_offset, as_states(row_partial),
+                                  want_col_lse ? as_states(col_partial) : nullptr,
+                                  pos_logit.mutable_data_ptr<float>()};
+    k::chunk_forward_kernel<<<dim3(gx, gy), k::kThreads, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    const bool last = chunk.begin + chunk.width == K;
+    k::merge_row_partials_kernel<<<ceil_div(M, k::kThreads), k::kThreads, 0, stream>>>(
+        as_states(running), as_states(row_partial), M, static_cast<int>(gx),
+        last ? row_lse.mutable_data_ptr<float>() : nullptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (want_col_lse) {
+      k::merge_col_partials_kernel<<<ceil_div(chunk.width, k::kThreads), k::kThreads, 0, stream>>>(
+          as_states(col_partial), chunk.width, static_cast<int>(gy), chunk.begin, col_lse.mutable_data_ptr<float>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  return {row_lse, pos_logit, col_lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> contrastive_lse_backward_chunked_cuda(
+    const Tensor& g_row, const Tensor& g_pos, const Tensor& g_col, const Tensor& rows, const Tensor& cols,
+    const Tensor& scale, int64_t pos_offset, const Tensor& row_lse, const Tensor& col_lse,
+    int64_t workspace_bytes) {
+  const int64_t M = rows.size(0), K = cols.size(0);
+  const int64_t kc = chunked::chunk_columns(M, K, 4 + int64_t(rows.element_size()), workspace_bytes);
+  const unsigned gy = row_blocks("contrastive_lse_backward", M);
+  const auto f32 = rows.options().dtype(at::kFloat);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const bool fp16 = rows.scalar_type() == at::kHalf;
+  const Tensor prescale = fp16 ? fp16_gradient_prescale(scale, g_row, g_col, g_pos) : Tensor();
+  const Tensor unscale = fp16 ? prescale[1] : Tensor();
+
+  // Per-CTA sums of every chunk, zero where a chunk used fewer CTAs, summed in a fixed order.
+  const int64_t slots = int64_t(gy) * column_splits(kc, gy);
+  const int64_t n_chunks = ceil_div(K, kc);
+  Tensor partial_scale = at::zeros({n_chunks, slots}, f32), partial_bias = at::zeros({n_chunks, slots}, f32);
+  int64_t chunk_index = 0;
+  Tensor grad_rows, grad_cols;
+  dispatch_features(rows.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    std::tie(grad_rows, grad_cols) = chunked::chunked_gradients(
+        rows, cols, kc, rows.scalar_type(), unscale, [&](const chunked::Chunk& chunk, Tensor& dlogits) {
+          const unsigned gx = column_splits(chunk.width, gy);
+          const k::GradChunkParams<T> p{
+              chunk.dots.const_data_ptr<float>(), M, chunk.width, chunk.begin, scale.const_data_ptr<float>(),
+              fp16 ? prescale.const_data_ptr<float>() : nullptr, row_lse.const_data_ptr<float>(),
+              g_row.const_data_ptr<float>(), g_pos.const_data_ptr<float>(),
+              g_col.defined() ? col_lse.const_data_ptr<float>() : nullptr,
+              g_col.defined() ? g_col.const_data_ptr<float>() : nullptr, pos_offset, dlogits.mutable_data_ptr<T>(),
+              partial_scale[chunk_index].mutable_data_ptr<float>(), partial_bias[chunk_index].mutable_data_ptr<float>()};
+          k::chunk_grad_kernel<T><<<dim3(gx, gy), k::kThreads, 0, stream>>>(p);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          ++chunk_index;
+        });
+  });
+  return {grad_rows, grad_cols, partial_scale.sum(at::kDouble).to(at::kFloat),
+          partial_bias.sum(at::kDouble).to(at::kFloat)};
+}
+
+}  // namespace clipshard
