@@ -3,10 +3,10 @@
 //
 // Per column chunk: one GEMM (fp32 similarities, also for 16-bit features) and one elementwise
 // kernel; with with_grad the kernel also writes the logit gradients in the features' dtype and the
-// driver adds two GEMMs. fp16 gradients are written times 2^k, the largest power of two with
-// |scale| * 2^k <= 65504 (|dl| <= 1), so that logit gradients down to ~1e-8 stay normal fp16
-// numbers; the driver multiplies the row and column gradients back by 2^-k in fp32. The prescale is
-// computed on the device from the scale: no host synchronisation anywhere.
+// driver adds two GEMMs. fp16 logit gradients use the softmax loss's power-of-two prescale
+// (fp16_prescale.cuh) with the bound |scale| (|dl| <= 1), so that gradients near 1e-8 stay fp16
+// numbers; the driver multiplies the row and column gradients back in fp32. The prescale is
+// computed on the device: no host synchronisation anywhere.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -18,6 +18,7 @@
 
 #include "../chunked/chunk_driver.h"
 #include "../siglip_args.h"
+#include "fp16_prescale.h"
 #include "siglip_kernels.cuh"
 
 namespace clipshard {
@@ -37,10 +38,11 @@ void dispatch_grad_type(at::ScalarType dtype, F&& f) {
   }
 }
 
-// 2^k with |scale| * 2^k <= 65504, clamped to [2^-24, 2^24] (a device tensor; NaN stays NaN).
+// (prescale, 1 / prescale) on the device for fp16 logit gradients |scale * dl| <= |scale|: the
+// softmax loss's rule with the bound |scale| * 1 (one "row gradient" of 1, no other terms).
 Tensor fp16_prescale(const Tensor& scale) {
-  const Tensor k = at::floor(at::log2(at::reciprocal(scale.abs()).mul(65504.0))).clamp(-24, 24);
-  return at::exp2(k);
+  const Tensor one = at::ones({1}, scale.options()), zero = at::zeros({1}, scale.options());
+  return fp16_gradient_prescale(scale, one, Tensor(), zero);
 }
 
 template <typename DL, bool kGrad>
@@ -85,8 +87,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> siglip_forward_cuda(
       launch<float, false>(chunk, nullptr, pos_offset, scale, bias, Tensor(), accumulators);
     });
   } else {
-    const Tensor prescale = grad_dtype == at::kHalf ? fp16_prescale(scale) : Tensor();
-    const Tensor unscale = prescale.defined() ? at::reciprocal(prescale) : Tensor();
+    const Tensor scales = grad_dtype == at::kHalf ? fp16_prescale(scale) : Tensor();
+    const Tensor prescale = scales.defined() ? scales[0] : Tensor();
+    const Tensor unscale = scales.defined() ? scales[1] : Tensor();
     dispatch_grad_type(grad_dtype, [&](auto dl_type) {
       using DL = decltype(dl_type);
       auto grads = chunked::chunked_gradients(rows, cols, kc, grad_dtype, unscale,
