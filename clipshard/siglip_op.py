@@ -40,6 +40,7 @@ def _setup_context(ctx, inputs, output):
     rows, cols, scale, bias, pos_offset, with_grad, workspace_bytes = inputs
     _, grad_rows, grad_cols, grad_scale, grad_bias = output
     ctx.mark_non_differentiable(grad_rows, grad_cols, grad_scale, grad_bias)
+    ctx.set_materialize_grads(False)  # else autograd allocates zero "gradients" for the four above
     ctx.with_grad = with_grad
     ctx.has_bias = bias is not None
     ctx.save_for_backward(grad_rows, grad_cols, grad_scale, grad_bias)
@@ -50,6 +51,8 @@ def _backward(ctx, grad_loss, *unused):
         raise RuntimeError("siglip_forward: the op ran with with_grad=False, so it kept no gradients; call it "
                            "with with_grad=True when a backward will follow (siglip_sum does this)")
     grad_rows, grad_cols, grad_scale, grad_bias = ctx.saved_tensors
+    if grad_loss is None:
+        return None, None, None, None, None, None, None
     # The saved gradients are those of the sum for a unit upstream gradient; 16-bit ones are scaled
     # in fp32 and rounded once.
     def scaled(grad):
