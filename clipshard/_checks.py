@@ -42,3 +42,12 @@ def check_generator(fn, generator, device):
 def check_flags(fn, **flags):
     for name, value in flags.items():
         check_bool(fn, name, value)
+
+
+def check_rank_and_world_size(fn, rank, world_size):
+    """open_clip's loss constructor arguments: ints, rank >= 0, world_size >= 1."""
+    for name, value, least in (("rank", rank, 0), ("world_size", world_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{fn}: {name} must be an int, got {value!r} ({type(value).__name__})")
+        if value < least:
+            raise ValueError(f"{fn}: {name} must be >= {least}, got {value}")

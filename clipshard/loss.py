@@ -4,7 +4,7 @@ import torch
 
 from clipshard import distributed as cdist
 from clipshard import sharded_loss
-from clipshard._checks import check_feature_pair, check_flags
+from clipshard._checks import check_feature_pair, check_flags, check_rank_and_world_size
 from clipshard.fused_op import contrastive_lse
 
 _MODES = ("exchange", "local")
@@ -109,11 +109,7 @@ class ClipLoss(torch.nn.Module):
                  world_size=1, use_horovod=False, *, mode=None, group=None):
         super().__init__()
         check_flags("ClipLoss", cache_labels=cache_labels, use_horovod=use_horovod)
-        for name, value, least in (("rank", rank, 0), ("world_size", world_size, 1)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"ClipLoss: {name} must be an int, got {value!r} ({type(value).__name__})")
-            if value < least:
-                raise ValueError(f"ClipLoss: {name} must be >= {least}, got {value}")
+        check_rank_and_world_size("ClipLoss", rank, world_size)
         if use_horovod:
             raise ValueError("ClipLoss: use_horovod=True is not supported; clipshard communicates "
                              "through torch.distributed (launch with torchrun)")

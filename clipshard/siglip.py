@@ -15,6 +15,7 @@ exactly what open_clip's neighbour exchanges compute, for each of its dist_impl 
 import torch
 
 from clipshard import distributed as cdist
+from clipshard._checks import check_flags, check_rank_and_world_size
 from clipshard.loss import _as_scalar_tensor
 from clipshard.siglip_op import siglip_sum
 
@@ -69,6 +70,8 @@ class SigLipLoss(torch.nn.Module):
 
     def __init__(self, cache_labels=False, rank=0, world_size=1, dist_impl=None, *, group=None):
         super().__init__()
+        check_flags("SigLipLoss", cache_labels=cache_labels)
+        check_rank_and_world_size("SigLipLoss", rank, world_size)
         self.cache_labels = cache_labels
         self.rank = rank
         self.world_size = world_size
@@ -76,6 +79,23 @@ class SigLipLoss(torch.nn.Module):
         self.group = group
 
     def forward(self, image_features, text_features, logit_scale, logit_bias, output_dict=False):
+        """The SigLIP loss of this rank's batch, as open_clip's SigLipLoss.forward computes it.
+
+        image_features, text_features: (batch, dim) tensors of one dtype (fp32, fp16, bf16 or fp64)
+            on one device, usually L2-normalised; row i of each is a positive pair. Batches may
+            differ in size between ranks.
+        logit_scale: the multiplier of the similarities, already exponentiated (open_clip's models
+            return `logit_scale.exp()`), a 0-dim or one-element tensor or a Python number.
+        logit_bias: the additive bias of the logits (SigLIP models learn one), same forms as
+            logit_scale, or None.
+        output_dict: return {"contrastive_loss": loss} instead of the loss.
+
+        Returns a 0-dim fp32 tensor for fp32 / fp16 / bf16 features (fp64 for fp64): this rank's
+        sum of softplus(-z * logit) over its images against every rank's texts, divided by its
+        batch size; accumulation is in fp32 whatever the feature dtype, and no logit matrix is
+        stored. Gradients reach both feature tensors, logit_scale and logit_bias (docs/siglip.md).
+        """
+        check_flags("SigLipLoss", output_dict=output_dict)
         if self.world_size == 1 and self.group is None:
             loss = _loss("SigLipLoss", image_features, text_features, logit_scale, logit_bias, None)
         else:

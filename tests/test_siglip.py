@@ -389,6 +389,14 @@ def test_loss_bad_input():
         SigLipLoss(dist_impl="ring")
     with pytest.raises(RuntimeError, match="not initialised"):
         SigLipLoss(world_size=2)(img, img, 1.0, None)
+    with pytest.raises(TypeError, match="cache_labels must be True or False"):
+        SigLipLoss(cache_labels="no")
+    with pytest.raises(TypeError, match="rank must be an int"):
+        SigLipLoss(rank=1.0)
+    with pytest.raises(ValueError, match="world_size must be >= 1"):
+        SigLipLoss(world_size=0)
+    with pytest.raises(TypeError, match="output_dict must be True or False"):
+        SigLipLoss()(img, img, 1.0, None, output_dict=1)
 
 
 @pytest.mark.parametrize("dist_impl", [None, "bidir", "shift", "reduce", "gather"])
