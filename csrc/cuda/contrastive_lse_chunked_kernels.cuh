@@ -87,12 +87,13 @@ __global__ void __launch_bounds__(kThreads) chunk_forward_kernel(ForwardChunkPar
     const int64_t pos_row = p.begin + j - p.pos_offset - i0;  // the row whose positive is column j
     Lse col_state = Lse::empty();
 #pragma unroll
-    for (int r = 0; r < kRowsPerCta; ++r) {
-      if (r >= rows) break;
-      const float x = scale * column[r * p.width];
-      row_state[r].add(x);
-      col_state.add(x);
-      if (pos_row == r) p.pos_logit[i0 + r] = x;
+    for (int r = 0; r < kRowsPerCta; ++r) {  // fully unrolled: row_state stays in registers
+      if (r < rows) {
+        const float x = scale * column[r * p.width];
+        row_state[r].add(x);
+        col_state.add(x);
+        if (pos_row == r) p.pos_logit[i0 + r] = x;
+      }
     }
     if (p.col_partial != nullptr) p.col_partial[blockIdx.y * p.width + j] = col_state;
   }
