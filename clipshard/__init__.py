@@ -1,4 +1,4 @@
-"""clipshard: sharded, fused CLIP contrastive loss, stochastic rounding and half-precision AdamW."""
+"""clipshard: sharded, fused CLIP contrastive and SigLIP losses, stochastic rounding and half-precision AdamW."""
 import torch  # noqa: F401  (loads libtorch before the extension)
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
@@ -7,10 +7,12 @@ from clipshard.fused_op import contrastive_lse
 from clipshard.loss import ClipLoss, clip_loss
 from clipshard.open_clip_patch import apply_to_open_clip
 from clipshard.rounding import stochastic_round, stochastic_round_
+from clipshard.siglip import SigLipLoss, siglip_loss
+from clipshard.siglip_op import siglip_sum
 
 __version__ = "0.1.0"
-__all__ = ["ClipLoss", "apply_to_open_clip", "clip_loss", "contrastive_lse", "optim", "stochastic_round",
-           "stochastic_round_", "text_tower_to_half_precision_"]
+__all__ = ["ClipLoss", "SigLipLoss", "apply_to_open_clip", "clip_loss", "contrastive_lse", "optim", "siglip_loss",
+           "siglip_sum", "stochastic_round", "stochastic_round_", "text_tower_to_half_precision_"]
 
 
 def __getattr__(name):

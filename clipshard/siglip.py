@@ -1,0 +1,87 @@
+"""The public SigLIP loss: `siglip_loss` (functional) and `SigLipLoss`, a drop-in for open_clip's
+SigLipLoss (docs/siglip.md).
+
+Rank r of N holds M_r image/text pairs. Its loss is
+
+    L_r = (1 / M_r) * sum_{i < M_r} sum_{j < sum_q M_q} softplus(-z_ij * l_ij),
+    l_ij = logit_scale * x_i . y_j + logit_bias,  z_ij = +1 iff j = offset_r + i, else -1,
+
+over its own images x against the texts y of every rank. Here the texts are all-gathered (in their
+own dtype) and each rank runs the fused op on its row block; the gradient of the gathered texts is
+reduce-scattered to their owners, so a rank's feature gradients are those of sum_q g_q * L_q (g_q:
+rank q's upstream gradient) and its logit_scale / logit_bias gradients are those of its own loss:
+exactly what open_clip's neighbour exchanges compute, for each of its dist_impl values.
+"""
+import torch
+
+from clipshard import distributed as cdist
+from clipshard.loss import _as_scalar_tensor
+from clipshard.siglip_op import siglip_sum
+
+DIST_IMPLS = ("bidir", "shift", "reduce", "gather")
+# shard_layout's `config`: the same on every rank running this loss, and unlike ClipLoss's codes
+# (0 to 7), so that ranks mixing the two losses raise instead of waiting in different collectives.
+_CONFIG_CODE = 1 << 4
+
+
+def _check_dist_impl(fn, dist_impl):
+    """open_clip's values are all accepted (they give the same result here); None means 'bidir'."""
+    if dist_impl is None:
+        return "bidir"
+    if dist_impl not in DIST_IMPLS:
+        raise ValueError(f"{fn}: dist_impl must be one of {', '.join(map(repr, DIST_IMPLS))} or None, "
+                         f"got {dist_impl!r}")
+    return dist_impl
+
+
+def _loss(fn, image, text, scale, bias, group, rank_arg=None, world_size_arg=None):
+    scale, bias = _as_scalar_tensor(scale, image), _as_scalar_tensor(bias, image)
+    layout = cdist.shard_layout(fn, image, text, scale, bias, group, config=_CONFIG_CODE,
+                                rank_arg=rank_arg, world_size_arg=world_size_arg)
+    all_text = cdist.gather_rows(text, layout)
+    return siglip_sum(image, all_text, scale, bias, pos_offset=layout.offset) / layout.local_size
+
+
+def siglip_loss(image_features, text_features, logit_scale, logit_bias=None, *, group=None):
+    """SigLIP's sigmoid loss, never materialising the logits.
+
+    Distributed when `group` is given or torch.distributed is initialised (then over the world
+    group): this rank's loss over its own images against every rank's texts, with the gradient
+    semantics of open_clip's SigLipLoss (see the module docstring). Local batch sizes may differ
+    between ranks. On one device, open_clip's single-process loss. logit_scale (already
+    exponentiated) and logit_bias: 0-dim or one-element tensors, or Python numbers. Returns a 0-dim
+    fp32 tensor (fp64 for fp64 features).
+    """
+    group, _ = cdist.resolve_group("siglip_loss", group)
+    return _loss("siglip_loss", image_features, text_features, logit_scale, logit_bias, group)
+
+
+class SigLipLoss(torch.nn.Module):
+    """Drop-in replacement for open_clip.loss.SigLipLoss (open_clip 3.3 signature): the same per-rank
+    loss value and the same feature, logit_scale and logit_bias gradients.
+
+    world_size=1 with no `group` computes this process's loss alone, like open_clip. Otherwise the
+    process group is `group` (default: the world group); rank and world_size, when not left at their
+    defaults, must agree with it. dist_impl: any of open_clip's values ('bidir', the default,
+    'shift', 'reduce', 'gather'); all give the same result, since the texts are all-gathered once
+    whatever the value. cache_labels is accepted and has no effect (no label tensor is built).
+    """
+
+    def __init__(self, cache_labels=False, rank=0, world_size=1, dist_impl=None, *, group=None):
+        super().__init__()
+        self.cache_labels = cache_labels
+        self.rank = rank
+        self.world_size = world_size
+        self.dist_impl = _check_dist_impl("SigLipLoss", dist_impl)
+        self.group = group
+
+    def forward(self, image_features, text_features, logit_scale, logit_bias, output_dict=False):
+        if self.world_size == 1 and self.group is None:
+            loss = _loss("SigLipLoss", image_features, text_features, logit_scale, logit_bias, None)
+        else:
+            group, _ = cdist.resolve_group("SigLipLoss", self.group, self.world_size)
+            explicit = not (self.world_size == 1 and self.rank == 0)
+            loss = _loss("SigLipLoss", image_features, text_features, logit_scale, logit_bias, group,
+                         rank_arg=self.rank if explicit else None,
+                         world_size_arg=self.world_size if explicit else None)
+        return {"contrastive_loss": loss} if output_dict else loss

@@ -1,0 +1,123 @@
+"""The fused SigLIP op: fake (shape) kernel, autograd, and the typed wrapper `siglip_sum`.
+
+`siglip_sum(rows, cols, scale, bias, pos_offset)` returns
+
+    sum_{i < M, j < K} softplus(-z_ij * l_ij),   l_ij = scale * rows_i . cols_j + bias,
+    z_ij = +1 if j == pos_offset + i else -1,
+
+without ever materialising the M x K logits (docs/siglip.md). The loss has no normaliser, so the
+op computes the gradients of that sum in the same chunked pass as the loss when a gradient will be
+needed (three GEMMs per column chunk instead of the four a recomputing backward would need); the
+autograd backward only multiplies them by the upstream gradient.
+"""
+import torch
+
+from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
+from clipshard import _workspace
+from clipshard._checks import check_feature_pair
+
+_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _acc_dtype(dtype):
+    """The loss sum is accumulated and returned in fp64 for fp64 inputs, fp32 for all others."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("clipshard::siglip_forward")
+def _forward_fake(rows, cols, scale, bias, pos_offset, with_grad, workspace_bytes):
+    torch._check(rows.dim() == 2 and cols.dim() == 2, lambda: "siglip_forward: rows and cols must be 2-D")
+    torch._check(rows.shape[1] == cols.shape[1],
+                 lambda: "siglip_forward: rows and cols must have the same feature size D")
+    loss_sum = rows.new_empty((), dtype=_acc_dtype(rows.dtype))
+    if not with_grad:
+        return (loss_sum, rows.new_empty(0), cols.new_empty(0), scale.new_empty(0), scale.new_empty(0))
+    grad_bias = bias.new_empty(()) if bias is not None else scale.new_empty(0)
+    return loss_sum, rows.new_empty(rows.shape), cols.new_empty(cols.shape), scale.new_empty(()), grad_bias
+
+
+def _setup_context(ctx, inputs, output):
+    rows, cols, scale, bias, pos_offset, with_grad, workspace_bytes = inputs
+    _, grad_rows, grad_cols, grad_scale, grad_bias = output
+    ctx.mark_non_differentiable(grad_rows, grad_cols, grad_scale, grad_bias)
+    ctx.set_materialize_grads(False)  # else autograd allocates zero "gradients" for the four above
+    ctx.with_grad = with_grad
+    ctx.has_bias = bias is not None
+    ctx.save_for_backward(grad_rows, grad_cols, grad_scale, grad_bias)
+
+
+def _backward(ctx, grad_loss, *unused):
+    if not ctx.with_grad:
+        raise RuntimeError("siglip_forward: the op ran with with_grad=False, so it kept no gradients; call it "
+                           "with with_grad=True when a backward will follow (siglip_sum does this)")
+    grad_rows, grad_cols, grad_scale, grad_bias = ctx.saved_tensors
+    if grad_loss is None:
+        return None, None, None, None, None, None, None
+    # The saved gradients are those of the sum for a unit upstream gradient; 16-bit ones are scaled
+    # in fp32 and rounded once.
+    def scaled(grad):
+        return (grad.to(grad_loss.dtype) * grad_loss).to(grad.dtype)
+
+    return (scaled(grad_rows), scaled(grad_cols), scaled(grad_scale),
+            scaled(grad_bias) if ctx.has_bias else None, None, None, None)
+
+
+torch.library.register_autograd("clipshard::siglip_forward", _backward, setup_context=_setup_context)
+
+
+def _check_scalar(name, value, rows):
+    """A Python number becomes a 0-dim tensor on rows' device; a tensor must be 0-dim."""
+    if not isinstance(value, torch.Tensor):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"siglip_sum: {name} must be a float or a 0-dim tensor, got {type(value).__name__}")
+        return torch.tensor(float(value), dtype=_acc_dtype(rows.dtype), device=rows.device)
+    if value.dim() != 0:
+        raise ValueError(f"siglip_sum: {name} must be a 0-dim tensor, got shape {tuple(value.shape)}")
+    if not value.is_floating_point():
+        raise TypeError(f"siglip_sum: {name} must be a floating-point tensor, got {value.dtype}")
+    if value.device != rows.device:
+        raise ValueError(f"siglip_sum: {name} must be on the same device as rows ({rows.device}), got {value.device}")
+    return value
+
+
+def _check_features(rows, cols, pos_offset):
+    check_feature_pair("siglip_sum", ("rows", "cols"), rows, cols, ("M x D", "K x D"))
+    if rows.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"siglip_sum: rows must be float32, float16, bfloat16 or float64, got {rows.dtype}")
+    if rows.shape[1] != cols.shape[1]:
+        raise ValueError(f"siglip_sum: rows and cols must have the same feature size D, got {rows.shape[1]} "
+                         f"and {cols.shape[1]}")
+    m, k = rows.shape[0], cols.shape[0]
+    if m == 0 or k == 0 or rows.shape[1] == 0:
+        raise ValueError(f"siglip_sum: empty inputs are not supported (need M, K, D >= 1), got rows "
+                         f"{tuple(rows.shape)} and cols {tuple(cols.shape)}")
+    if isinstance(pos_offset, bool) or not isinstance(pos_offset, int):
+        raise TypeError(f"siglip_sum: pos_offset must be an int, got {type(pos_offset).__name__}")
+    if pos_offset < 0 or pos_offset + m > k:
+        raise ValueError(f"siglip_sum: pos_offset must satisfy 0 <= pos_offset and pos_offset + M <= K "
+                         f"(M = {m}, K = {k}), got {pos_offset}")
+
+
+def siglip_sum(rows, cols, scale, bias=None, pos_offset=0, *, workspace_bytes=None):
+    """Fused sum of the SigLIP loss terms of an M x K block, never materialising the logits.
+
+    Args:
+        rows: M x D features (fp32, fp16, bf16 or fp64), e.g. this rank's image features.
+        cols: K x D features, same dtype and device, e.g. all ranks' text features.
+        scale: logit scale, already exponentiated (a Python float or a 0-dim tensor; differentiable).
+        bias: optional logit bias (float or 0-dim tensor; differentiable).
+        pos_offset: row i's positive is column pos_offset + i (0 <= pos_offset, pos_offset + M <= K).
+        workspace_bytes: budget of the chunk workspace (default: clipshard._workspace's per device).
+
+    Returns:
+        0-dim fp32 tensor (fp64 for fp64 inputs): sum_ij softplus(-z_ij * l_ij). Differentiable with
+        respect to rows, cols, scale and bias.
+    """
+    _check_features(rows, cols, pos_offset)
+    scale = _check_scalar("scale", scale, rows)
+    if bias is not None:
+        bias = _check_scalar("bias", bias, rows)
+    budget = _workspace.workspace_bytes("siglip_sum", rows.device, workspace_bytes)
+    inputs = (rows, cols, scale) + ((bias,) if bias is not None else ())
+    with_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    return torch.ops.clipshard.siglip_forward(rows, cols, scale, bias, pos_offset, with_grad, budget)[0]

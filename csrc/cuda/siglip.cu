@@ -1,0 +1,119 @@
+// CUDA registration of clipshard::siglip_forward (docs/siglip.md): input checks, accumulators, the
+// gradient prescale and the launches of siglip_kernels.cuh between the chunk driver's GEMMs.
+//
+// Per column chunk: one GEMM (fp32 similarities, also for 16-bit features) and one elementwise
+// kernel; with with_grad the kernel also writes the logit gradients in the features' dtype and the
+// driver adds two GEMMs. fp16 logit gradients use the softmax loss's power-of-two prescale
+// (fp16_prescale.cuh) with the bound |scale| (|dl| <= 1), so that gradients near 1e-8 stay fp16
+// numbers; the driver multiplies the row and column gradients back in fp32. The prescale is
+// computed on the device: no host synchronisation anywhere.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <climits>
+#include <optional>
+#include <tuple>
+
+#include "../chunked/chunk_driver.h"
+#include "../siglip_args.h"
+#include "fp16_prescale.h"
+#include "siglip_kernels.cuh"
+
+namespace clipshard {
+namespace {
+
+using at::Tensor;
+namespace k = siglip_cuda;
+
+// Calls f(DL{}) with the element type of the logit gradients for features of this dtype.
+template <typename F>
+void dispatch_grad_type(at::ScalarType dtype, F&& f) {
+  switch (dtype) {
+    case at::kFloat: return f(float{});
+    case at::kHalf: return f(at::Half{});
+    case at::kBFloat16: return f(at::BFloat16{});
+    default: TORCH_INTERNAL_ASSERT(false, "unsupported dtype ", dtype);
+  }
+}
+
+// (prescale, 1 / prescale) on the device for fp16 logit gradients |scale * dl| <= |scale|: the
+// softmax loss's rule with the bound |scale| * 1 (one "row gradient" of 1, no other terms).
+Tensor fp16_prescale(const Tensor& scale) {
+  const Tensor one = at::ones({1}, scale.options()), zero = at::zeros({1}, scale.options());
+  return fp16_gradient_prescale(scale, one, Tensor(), zero);
+}
+
+template <typename DL, bool kGrad>
+void launch(const chunked::Chunk& chunk, DL* dlogits, int64_t pos_offset, const Tensor& scale,
+            const std::optional<Tensor>& bias, const Tensor& prescale, Tensor& accumulators) {
+  const int64_t M = chunk.dots.size(0);
+  k::ChunkParams<DL> p{chunk.dots.data_ptr<float>(), dlogits, M, chunk.width, chunk.begin, pos_offset,
+                       scale.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
+                       prescale.defined() ? prescale.data_ptr<float>() : nullptr,
+                       accumulators[0].data_ptr<double>(), accumulators[1].data_ptr<double>(),
+                       accumulators[2].data_ptr<double>()};
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  k::siglip_chunk_kernel<DL, kGrad><<<static_cast<unsigned>(M), k::kThreads, 0, stream>>>(p);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> siglip_forward_cuda(
+    const Tensor& rows_in, const Tensor& cols_in, const Tensor& scale_in, const std::optional<Tensor>& bias_in,
+    int64_t pos_offset, bool with_grad, int64_t workspace_bytes) {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  check_siglip_inputs(rows_in, cols_in, scale_in, bias_in, pos_offset, workspace_bytes);
+  TORCH_CHECK(rows_in.is_cuda(), "siglip_forward: rows must be on a CUDA device, got ", rows_in.device());
+  TORCH_CHECK(rows_in.scalar_type() != at::kDouble,
+              "siglip_forward: the CUDA kernel takes float32, float16 or bfloat16 features, got Double "
+              "(float64 is supported by the CPU kernel only)");
+  TORCH_CHECK(rows_in.size(0) <= INT_MAX, "siglip_forward: too many rows (", rows_in.size(0), ") for the launch grid");
+  const c10::cuda::CUDAGuard guard(rows_in.device());
+  const Tensor rows = rows_in.contiguous(), cols = cols_in.contiguous();
+  const Tensor scale = scale_in.to(at::kFloat).contiguous();
+  const std::optional<Tensor> bias =
+      bias_in.has_value() ? std::optional<Tensor>(bias_in->to(at::kFloat).contiguous()) : std::nullopt;
+  const int64_t M = rows.size(0), K = cols.size(0);
+  const auto grad_dtype = rows.scalar_type();
+  const int64_t logit_bytes = 4 + (with_grad ? int64_t(c10::elementSize(grad_dtype)) : 0);
+  const int64_t kc = chunked::chunk_columns(M, K, logit_bytes, workspace_bytes);
+  // Per row: loss, sum dl * dot, sum dl, each added to by one CTA per chunk, in chunk order.
+  Tensor accumulators = at::zeros({3, M}, rows.options().dtype(at::kDouble));
+
+  Tensor grad_rows = at::empty({0}, rows.options()), grad_cols = at::empty({0}, cols.options());
+  if (!with_grad) {
+    chunked::for_each_chunk(rows, cols, kc, [&](const chunked::Chunk& chunk) {
+      launch<float, false>(chunk, nullptr, pos_offset, scale, bias, Tensor(), accumulators);
+    });
+  } else {
+    const Tensor scales = grad_dtype == at::kHalf ? fp16_prescale(scale) : Tensor();
+    const Tensor prescale = scales.defined() ? scales[0] : Tensor();
+    const Tensor unscale = scales.defined() ? scales[1] : Tensor();
+    dispatch_grad_type(grad_dtype, [&](auto dl_type) {
+      using DL = decltype(dl_type);
+      auto grads = chunked::chunked_gradients(rows, cols, kc, grad_dtype, unscale,
+                                              [&](const chunked::Chunk& chunk, Tensor& dlogits) {
+                                                launch<DL, true>(chunk, dlogits.data_ptr<DL>(), pos_offset, scale,
+                                                                 bias, prescale, accumulators);
+                                              });
+      grad_rows = grads.first;
+      grad_cols = grads.second;
+    });
+  }
+  const Tensor totals = accumulators.sum(1);  // deterministic: a fixed-size reduction
+  // Separate copies (copy=true): outputs must not share storage.
+  const Tensor loss_sum = totals[0].to(at::kFloat, false, true);
+  if (!with_grad) {
+    return {loss_sum, grad_rows, grad_cols, at::empty({0}, scale_in.options()), at::empty({0}, scale_in.options())};
+  }
+  const Tensor grad_scale = totals[1].to(scale_in.scalar_type(), false, true);
+  const Tensor grad_bias = bias_in.has_value() ? totals[2].to(bias_in->scalar_type(), false, true)
+                                               : at::empty({0}, scale_in.options());
+  return {loss_sum, grad_rows, grad_cols, grad_scale, grad_bias};
+}
+
+}  // namespace
+}  // namespace clipshard
+
+TORCH_LIBRARY_IMPL(clipshard, CUDA, m) { m.impl("siglip_forward", &clipshard::siglip_forward_cuda); }

@@ -1,0 +1,91 @@
+// The per-chunk elementwise kernel of the chunked SigLIP loss on CUDA (docs/siglip.md). Torch-free:
+// it sees plain pointers and sizes; csrc/cuda/siglip.cu is the only file that touches tensors, and
+// the chunk driver (csrc/chunked/chunk_driver.h) runs the GEMMs around it.
+//
+// One CTA per row of the chunk: its threads stride over the row's columns, read each raw
+// similarity once, form l = scale * dot + bias and the loss term (and, in the gradient pass, write
+// the logit gradient scale * dl times a power-of-two prescale in the dlogits dtype, and the partial
+// sums of dl * dot and dl); a fixed-shape tree reduction gives the row's sums, which thread 0 adds
+// to the row's own accumulators. Chunks run in order on one stream and every row has one owner, so
+// there are no atomics and the result is deterministic.
+#pragma once
+
+#include <cstdint>
+
+#include "clipshard/siglip_math.h"
+
+namespace clipshard {
+namespace siglip_cuda {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+template <typename DL>
+struct ChunkParams {
+  const float* dots;  // rows x width, contiguous: raw similarities of columns [begin, begin + width)
+  DL* dlogits;        // rows x width, or nullptr in the loss-only pass
+  int64_t rows, width, begin, pos_offset;  // row i's positive is global column pos_offset + i
+  const float* scale;     // device scalar
+  const float* bias;      // device scalar, or nullptr for no bias
+  const float* prescale;  // device scalar multiplying the written gradients, or nullptr for 1
+  double* row_loss;        // rows: this chunk's loss terms are added here
+  double* row_grad_scale;  // rows: sum of dl * dot (gradient pass only)
+  double* row_grad_bias;   // rows: sum of dl (gradient pass only)
+};
+
+// Sum over the CTA of each thread's v[0..N); the result is valid in thread 0. Same order for every
+// launch: butterfly within each warp, then warp 0 adds the warps in order.
+template <int N>
+__device__ __forceinline__ void block_sum(float (&v)[N]) {
+  __shared__ float warp_sums[N][kWarps];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int k = 0; k < N; ++k) {
+    for (int offset = 16; offset > 0; offset /= 2) v[k] += __shfl_xor_sync(0xffffffffu, v[k], offset);
+  }
+  if (lane == 0) {
+    for (int k = 0; k < N; ++k) warp_sums[k][warp] = v[k];
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int k = 0; k < N; ++k) {
+      float total = 0.0f;
+      for (int w = 0; w < kWarps; ++w) total += warp_sums[k][w];
+      v[k] = total;
+    }
+  }
+}
+
+template <typename DL, bool kGrad>
+__global__ void __launch_bounds__(kThreads) siglip_chunk_kernel(ChunkParams<DL> p) {
+  const int64_t i = blockIdx.x;
+  const float s = *p.scale, b = p.bias ? *p.bias : 0.0f;
+  const float gain = s * (p.prescale ? *p.prescale : 1.0f);  // d loss / d dot, prescaled
+  const float* dots = p.dots + i * p.width;
+  const int64_t pos = p.pos_offset + i - p.begin;  // the positive's column in this chunk (maybe outside)
+  float sums[3] = {0.0f, 0.0f, 0.0f};             // loss, dl * dot, dl
+  for (int64_t j = threadIdx.x; j < p.width; j += kThreads) {
+    const float dot = dots[j];
+    const float z = j == pos ? 1.0f : -1.0f;
+    if constexpr (kGrad) {
+      float value, dl;
+      siglip_term(s * dot + b, z, value, dl);
+      p.dlogits[i * p.width + j] = DL(gain * dl);
+      sums[0] += value;
+      sums[1] += dl * dot;
+      sums[2] += dl;
+    } else {
+      sums[0] += siglip_softplus(s * dot + b, z);
+    }
+  }
+  block_sum(sums);
+  if (threadIdx.x == 0) {
+    p.row_loss[i] += sums[0];
+    if constexpr (kGrad) {
+      p.row_grad_scale[i] += sums[1];
+      p.row_grad_bias[i] += sums[2];
+    }
+  }
+}
+
+}  // namespace siglip_cuda
+}  // namespace clipshard

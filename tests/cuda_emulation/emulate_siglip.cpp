@@ -1,0 +1,124 @@
+// Runs the CUDA kernel of csrc/cuda/siglip_kernels.cuh on the host through emulate_cuda.h and
+// compares it with a double-precision reference of the same maths: the loss-only pass and the
+// gradient pass with fp32, fp16 (prescaled) and bf16 logit gradients, over several column chunks.
+// Build: g++ -std=c++20 -O1 -pthread -I<repo>/csrc/cuda -I<repo>/csrc/include -I<torch>/include emulate_siglip.cpp
+// Prints one line per case and exits non-zero on any mismatch.
+#include "emulate_cuda.h"
+// The kernel, compiled as host code:
+#include "fp16_prescale.cuh"
+#include "siglip_kernels.cuh"
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdio>
+#include <random>
+#include <type_traits>
+#include <vector>
+
+namespace k = clipshard::siglip_cuda;
+
+struct Case {
+  int64_t M, K, width, pos_offset;  // columns processed in chunks of `width`
+  float scale, bias, prescale;
+  bool has_bias, nan_dot;           // nan_dot: one similarity of row 1 is NaN
+};
+
+static bool close(double got, double want, double rtol, double atol, const char* what, int64_t index) {
+  if (std::isnan(want) ? std::isnan(got) : std::fabs(got - want) <= atol + rtol * std::fabs(want)) return true;
+  std::printf("  MISMATCH %s[%lld]: got %.9g, want %.9g\n", what, static_cast<long long>(index), got, want);
+  return false;
+}
+
+template <typename DL>
+static const char* name() {
+  if constexpr (std::is_same_v<DL, float>) return "fp32";
+  if constexpr (std::is_same_v<DL, c10::Half>) return "fp16";
+  return "bf16";
+}
+
+// DL = float with kGrad = false is the loss-only pass.
+template <typename DL, bool kGrad>
+static bool run_case(const Case& c, std::mt19937& gen) {
+  const int64_t M = c.M, K = c.K;
+  std::normal_distribution<float> normal(0.f, 0.4f);
+  std::vector<float> dots(M * K);
+  for (auto& v : dots) v = normal(gen);
+  if (c.nan_dot) dots[1 * K + K / 2] = NAN;
+  std::vector<double> loss(M, 0.0), grad_scale(M, 0.0), grad_bias(M, 0.0);
+  std::vector<DL> dlogits(M * K);
+  const float* bias = c.has_bias ? &c.bias : nullptr;
+  const float* prescale = c.prescale != 1.0f ? &c.prescale : nullptr;
+  for (int64_t begin = 0; begin < K; begin += c.width) {
+    const int64_t width = std::min(c.width, K - begin);
+    std::vector<float> chunk(M * width);  // the driver's contiguous M x width workspace
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < width; ++j) chunk[i * width + j] = dots[i * K + begin + j];
+    std::vector<DL> chunk_dl(M * width);
+    k::ChunkParams<DL> p{chunk.data(), kGrad ? chunk_dl.data() : nullptr, M, width, begin, c.pos_offset,
+                         &c.scale, bias, prescale, loss.data(), grad_scale.data(), grad_bias.data()};
+    emulate_launch(k::siglip_chunk_kernel<DL, kGrad>, static_cast<unsigned>(M), k::kThreads, p);
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < width; ++j) dlogits[i * K + begin + j] = chunk_dl[i * width + j];
+  }
+
+  bool ok = true;
+  const double s = c.scale, b = c.has_bias ? c.bias : 0.0;
+  // The dlogits dtype's rounding (relative). fp16: the prescale 2^k > 2^13 / |s| keeps s * dl
+  // normal down to dl ~ 2^-27 (7e-9) and leaves half a subnormal step of at most |s| * 2^-38 below
+  // that (without it, the step would be 6e-8 for every scale).
+  const double dl_rtol = std::is_same_v<DL, float> ? 1e-6 : std::is_same_v<DL, c10::Half> ? 5e-4 : 4e-3;
+  const double dl_atol = std::is_same_v<DL, c10::Half> ? std::fabs(s) * std::exp2(-38.0) : 1e-30;
+  for (int64_t i = 0; i < M; ++i) {
+    double want_loss = 0, want_scale = 0, want_bias = 0;
+    for (int64_t j = 0; j < K; ++j) {
+      const double dot = dots[i * K + j], z = j == c.pos_offset + i ? 1.0 : -1.0;
+      const double t = -z * (s * dot + b);
+      const double e = std::exp(-std::fabs(t));
+      const double dl = -z * (t >= 0 ? 1.0 : e) / (1.0 + e);
+      want_loss += std::max(t, 0.0) + std::log1p(e);
+      want_scale += dl * dot;
+      want_bias += dl;
+      if (kGrad) {
+        const double got = static_cast<float>(dlogits[i * K + j]) / c.prescale;
+        // The kernel's fp32 logit is off by up to an ulp of |l|, which moves dl by that much relative.
+        const double rtol = dl_rtol + 1.2e-7 * std::fabs(s * dot + b);
+        ok &= close(got, s * dl, rtol, dl_atol, "dlogits", i * K + j);
+        if (!ok) return false;
+      }
+    }
+    ok &= close(loss[i], want_loss, 2e-6, 1e-30, "row loss", i);
+    if (kGrad) {
+      ok &= close(grad_scale[i], want_scale, 2e-6, 2e-6 * K, "row grad_scale", i);
+      ok &= close(grad_bias[i], want_bias, 2e-6, 2e-6 * K, "row grad_bias", i);
+    }
+    if (!ok) return false;
+  }
+  std::printf("ok %s %s M=%lld K=%lld width=%lld scale=%g bias=%s nan=%d\n", kGrad ? "grad" : "loss", name<DL>(),
+              static_cast<long long>(M), static_cast<long long>(K), static_cast<long long>(c.width), c.scale,
+              c.has_bias ? "yes" : "no", c.nan_dot ? 1 : 0);
+  return ok;
+}
+
+int main() {
+  std::mt19937 gen(1234);
+  // M, K, width, pos_offset, scale, bias, prescale, has_bias, nan_dot
+  const Case cases[] = {
+      {5, 700, 256, 300, 10.f, -10.f, 1.f, true, false},   // positives in the second chunk, ragged last chunk
+      {3, 300, 300, 0, 100.f, 20.f, 1.f, true, false},     // one chunk wider than the CTA, extreme logits
+      {7, 257, 128, 250, 1.f, 0.f, 1.f, false, false},     // positives in the last, one-column-wide chunk
+      {4, 513, 512, 100, 30.f, -5.f, 1.f, true, true},     // a NaN similarity: row 1 all NaN
+  };
+  bool ok = true;
+  for (const Case& c : cases) {
+    ok &= run_case<float, false>(c, gen);
+    ok &= run_case<float, true>(c, gen);
+    ok &= run_case<c10::BFloat16, true>(c, gen);
+    Case fp16 = c;
+    fp16.prescale = clipshard::fp16_prescale::prescale_for_bound(std::fabs(c.scale));  // as siglip.cu
+    ok &= run_case<c10::Half, true>(fp16, gen);
+  }
+  std::printf(ok ? "ALL OK\n" : "FAILED\n");
+  return ok ? 0 : 1;
+}
