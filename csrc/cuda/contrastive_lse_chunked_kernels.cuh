@@ -49,14 +49,16 @@ struct GradChunkParams {
 
 // A warp's 32 row states, one set per lane, reduced so that lane r ends with row r's total: at
 // each of 5 steps a lane keeps half of its states and merges in its partner's copy of that half
-// (31 merges per lane instead of 5 x 32).
+// (31 merges per lane instead of 5 x 32). Every index is a compile-time constant (the inner loop
+// has a fixed trip count), so the states stay in registers.
 __device__ __forceinline__ Lse warp_reduce_rows(Lse (&state)[kRowsPerCta]) {
   const int lane = threadIdx.x % 32;
 #pragma unroll
-  for (int half = 16; half > 0; half /= 2) {
+  for (int half = kRowsPerCta / 2; half > 0; half /= 2) {
     const bool upper = (lane & half) != 0;
 #pragma unroll
-    for (int k = 0; k < half; ++k) {
+    for (int k = 0; k < kRowsPerCta / 2; ++k) {
+      if (k >= half) continue;
       const Lse send = upper ? state[k] : state[k + half];
       Lse keep = upper ? state[k + half] : state[k];
       const float m = __shfl_xor_sync(0xffffffffu, send.max, half);
