@@ -8,9 +8,9 @@ records, which include the fused kernels' per-thread scratch tiles since the ker
 profiler state to their worker threads). Memory that BLAS allocates internally is not a tensor and
 is not counted, for any of the three implementations.
 Forward memory is taken with the inputs requiring grad (what a training step keeps for the
-backward); forward + backward memory includes the returned feature gradients. On CUDA with 16-bit
-features, `clipshard_tc` is the fused loss with the tensor-core path switched on
-(clipshard.fused_op.TENSOR_CORES, off by default).
+backward); forward + backward memory includes the returned feature gradients. `clipshard` is
+clip_loss with the device's default algorithm (chunked on CUDA, fused on the CPU); on CUDA
+`clipshard_fused` is the same loss through the hand-written tile kernels (algorithm="fused").
 
     python benchmarks/bench_loss.py --device cpu --json bench_results/loss_cpu.json
 """
@@ -36,21 +36,17 @@ def naive_loss(image_features, text_features, logit_scale):
     return (ce(logits, labels) + ce(logits.T, labels)) / 2
 
 
-def with_tensor_cores(loss_fn):
-    """The same loss with the CUDA tensor-core path switched on for the call (fp16/bf16 only)."""
-    def run(*args):
-        saved, clipshard.fused_op.TENSOR_CORES = clipshard.fused_op.TENSOR_CORES, True
-        try:
-            return loss_fn(*args)
-        finally:
-            clipshard.fused_op.TENSOR_CORES = saved
-    return run
+def fused_kernel_loss(image_features, text_features, logit_scale):
+    """clip_loss on one device with algorithm="fused" (CUDA's hand-written tile kernels)."""
+    row_lse, pos, col_lse = clipshard.contrastive_lse(image_features, text_features, logit_scale,
+                                                      algorithm="fused")
+    return ((row_lse - pos).mean() + (col_lse - pos).mean()) / 2
 
 
 def implementations(device, dtype_name):
     impls = {"clipshard": clipshard.clip_loss, "naive": naive_loss}
-    if device == "cuda" and dtype_name in ("bfloat16", "float16"):
-        impls["clipshard_tc"] = with_tensor_cores(clipshard.clip_loss)
+    if device == "cuda":
+        impls["clipshard_fused"] = fused_kernel_loss
     try:
         from open_clip.loss import ClipLoss
 

@@ -2,13 +2,15 @@
 
 A rank of 8 holds M = 8192 local rows and sees K = 65536 gathered columns (D = 768, bf16). This
 script times (median, 20/80 % quantiles) and measures the peak extra memory (benchmarks/_measure.py) of
-  - the fused op (torch.ops.clipshard.contrastive_lse_forward / _backward, row + column LSE),
-    both kernel paths (tensor_cores False / True);
+  - clipshard's op (torch.ops.clipshard.contrastive_lse_forward / _backward, row + column LSE),
+    both algorithms: "chunked" (cuBLAS GEMMs over column chunks + fused elementwise kernels, the
+    CUDA default) and "fused" (hand-written tile kernels);
   - the materialised equivalent: logits = s * A @ B^T, row/column logsumexp and their backward;
   - open_clip's local loss doing the same work: two M x K logit blocks and two cross-entropies;
   - one plain M x K x D matmul (cuBLAS on CUDA), the rate every TFLOP/s figure is compared with.
-TFLOP/s counts matmul FLOPs of the maths, not of the implementation: 2MKD per M x K logit block
-forward, three times that forward + backward (S, dA, dB).
+TFLOP/s counts useful FLOPs, the same for every implementation: a forward is 2 GEMM-equivalents
+(the row and the column log-sum-exps, as open_clip computes them), a backward 3 more (2MKD each),
+over the measured time; "x matmul" compares that rate with the plain GEMM's.
 
 Usage: bench_rank_sim.py --device {cpu,cuda} [--json PATH]. On CPU a scaled-down fp32 size runs.
 """
@@ -19,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import clipshard  # noqa: F401  (loads torch.ops.clipshard)
+from clipshard._workspace import workspace_bytes
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _measure import (fmt, parser_with_common_arguments, peak_memory_bytes, print_table,  # noqa: E402
@@ -58,19 +61,19 @@ def make_problem(M, K, D, dtype, device):
     g_col = torch.zeros(K, device=device)
     g_col[pos:pos + M] = 0.5 / M
     return dict(rows=rows, cols=cols, gathered_rows=gathered_rows, scale=scale, pos=pos,
-                g_row=g_row, g_pos=g_pos, g_col=g_col)
+                g_row=g_row, g_pos=g_pos, g_col=g_col, workspace=workspace_bytes("bench_rank_sim", device))
 
 
-def fused_forward(p, tensor_cores):
+def op_forward(p, algorithm):
     return ops.contrastive_lse_forward(p["rows"], p["cols"], p["scale"], None, p["pos"], True,
-                                       False, tensor_cores, False)
+                                       algorithm, p["workspace"], True)
 
 
-def fused_forward_backward(p, tensor_cores):
-    row_lse, _, col_lse = fused_forward(p, tensor_cores)
+def op_forward_backward(p, algorithm):
+    row_lse, _, col_lse = op_forward(p, algorithm)
     return ops.contrastive_lse_backward(p["g_row"], p["g_pos"], p["g_col"], p["rows"], p["cols"],
-                                        p["scale"], None, p["pos"], row_lse, col_lse, False,
-                                        tensor_cores, True)
+                                        p["scale"], None, p["pos"], row_lse, col_lse, algorithm,
+                                        p["workspace"], True)
 
 
 def materialised_lse(rows, cols, scale, pos):
@@ -118,23 +121,21 @@ def main():
     block = 2 * M * K * D  # FLOPs of one M x K logit block
 
     configs = [("matmul M x K x D (reference rate)", lambda: p["rows"] @ p["cols"].T, block, None)]
-    paths = [False, True] if device == "cuda" else [False]
-    for tc in paths:
-        tag = "tensor-core" if tc else "fma"
-        configs.append((f"fused fwd ({tag})", lambda tc=tc: fused_forward(p, tc), block, "fwd"))
-        configs.append((f"fused fwd+bwd ({tag})", lambda tc=tc: fused_forward_backward(p, tc),
-                        3 * block, "fwd+bwd"))
+    for algorithm in ("chunked", "fused"):
+        configs.append((f"clipshard {algorithm} fwd", lambda a=algorithm: op_forward(p, a), 2 * block, "fwd"))
+        configs.append((f"clipshard {algorithm} fwd+bwd", lambda a=algorithm: op_forward_backward(p, a),
+                        5 * block, "fwd+bwd"))
     configs += [
-        ("materialised fwd", lambda: materialised_lse(p["rows"], p["cols"], p["scale"], p["pos"]), block, "fwd"),
-        ("materialised fwd+bwd", lambda: materialised_forward_backward(p), 3 * block, "fwd+bwd"),
+        ("materialised fwd", lambda: materialised_lse(p["rows"], p["cols"], p["scale"], p["pos"]), 2 * block, "fwd"),
+        ("materialised fwd+bwd", lambda: materialised_forward_backward(p), 5 * block, "fwd+bwd"),
         ("open_clip local fwd", lambda: local_forward(p), 2 * block, "fwd"),
-        ("open_clip local fwd+bwd", lambda: local_forward_backward(p), 6 * block, "fwd+bwd"),
+        ("open_clip local fwd+bwd", lambda: local_forward_backward(p), 5 * block, "fwd+bwd"),
     ]
 
     results, failed = [], False
     for name, fn, flops, mode in configs:
         row = dict(name=name, mode=mode, flops=flops)
-        if name.startswith("fused") and not has_kernel(device):
+        if name.startswith("clipshard") and not has_kernel(device):
             row["error"] = f"no {device.upper()} kernel registered in this build"
         else:
             try:
@@ -175,8 +176,9 @@ def main():
     for r in results:
         if "error" in r:
             print(f"error in {r['name']}: {r['error']}")
-    print("TFLOP/s: 2MKD per logit block (x3 for fwd+bwd); x matmul: fraction of the plain matmul "
-          "rate; x local: open_clip local time / this time; peak MiB: above inputs, outputs included")
+    print("TFLOP/s: useful FLOPs (2 GEMM-equivalents of 2MKD forward, 5 forward + backward) over the time; "
+          "x matmul: fraction of the plain matmul rate; x local: open_clip local time / this time; "
+          "peak MiB: above inputs, outputs included")
     write_json(args.json, dict(**run_metadata(device), M=M, K=K, D=D, dtype=str(dtype), results=results))
     return 1 if failed else 0
 

@@ -18,12 +18,14 @@ MODULES = ("open_clip", "open_clip.loss", "open_clip.factory")  # where open_cli
 
 
 def _replacements():
-    """open_clip class name -> clipshard class. One line per loss (SigLipLoss joins here)."""
+    """open_clip class name -> clipshard class, one line per loss."""
     from clipshard.coca_loss import CoCaLoss
     from clipshard.loss import ClipLoss
+    from clipshard.siglip import SigLipLoss
     return {
         "ClipLoss": ClipLoss,
         "CoCaLoss": CoCaLoss,
+        "SigLipLoss": SigLipLoss,
     }
 
 

@@ -259,4 +259,6 @@ def to_half_precision_(targets, dtype: torch.dtype = torch.bfloat16, *, buffers:
     for _, _, t in named:
         if t.dtype == torch.float32:
             t.data = stochastic_round(t.data.contiguous(), dtype, generator=generator)
+            # A graph that saved the fp32 tensor must not differentiate with the 16-bit one.
+            torch.autograd.graph.increment_version(t)
     return targets

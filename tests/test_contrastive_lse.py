@@ -10,6 +10,7 @@ from clipshard import clip_loss, contrastive_lse
 from clipshard.reference import clip_loss_reference, contrastive_lse_reference
 
 OPS = torch.ops.clipshard
+WS = 1 << 12  # a workspace budget that forces the chunked algorithm into 128-column chunks
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]
 # Allowed max |error| relative to max(1, max |reference|): outputs are accumulated in fp32 (fp64 for
 # fp64) from the exact input values; gradients come back rounded to the input dtype.
@@ -167,16 +168,17 @@ def test_opcheck():
     rows, cols = features(20, 6, torch.float32, seed=8), features(45, 6, torch.float32, seed=9)
     s, b = torch.tensor(14.3), torch.tensor(-1.0)
     fwd, bwd = OPS.contrastive_lse_forward.default, OPS.contrastive_lse_backward.default
-    torch.library.opcheck(fwd, (rows, cols, s, None, 3, True, False, False, False))
-    torch.library.opcheck(fwd, (rows, cols, s, b, 0, False, False, False, True))
+    torch.library.opcheck(fwd, (rows, cols, s, None, 3, True, "fused", WS, False))
+    torch.library.opcheck(fwd, (rows, cols, s, None, 3, True, "chunked", WS, False))
+    torch.library.opcheck(fwd, (rows, cols, s, b, 0, False, "chunked", WS, True))
     for deterministic in (False, True):
         torch.library.opcheck(fwd, (rows.clone().requires_grad_(), cols.clone().requires_grad_(),
-                                    s.clone().requires_grad_(), b.clone().requires_grad_(), 3, True, False, False,
+                                    s.clone().requires_grad_(), b.clone().requires_grad_(), 3, True, "chunked", WS,
                                     deterministic))
-    row_lse, _, col_lse = OPS.contrastive_lse_forward(rows, cols, s, b, 3, True, False, False, False)
+    row_lse, _, col_lse = OPS.contrastive_lse_forward(rows, cols, s, b, 3, True, "fused", WS, False)
     g = torch.randn(20), torch.randn(20), torch.randn(45)
-    torch.library.opcheck(bwd, (*g, rows, cols, s, b, 3, row_lse, col_lse, False, False, True))
-    torch.library.opcheck(bwd, (g[0], g[1], None, rows, cols, s, None, 3, row_lse, None, False, False, False))
+    torch.library.opcheck(bwd, (*g, rows, cols, s, b, 3, row_lse, col_lse, "chunked", WS, True))
+    torch.library.opcheck(bwd, (g[0], g[1], None, rows, cols, s, None, 3, row_lse, None, "fused", WS, False))
 
 
 def test_compile_fullgraph():
@@ -328,19 +330,19 @@ def test_bad_input_op():
     rows, cols, s = features(6, 8, torch.float32), features(10, 8, torch.float32), torch.tensor(1.0)
     fwd = OPS.contrastive_lse_forward
     with pytest.raises(RuntimeError, match="contrastive_lse_forward: rows and cols must have the same feature size"):
-        fwd(rows, cols[:, :3], s, None, 0, True, False, False, False)
+        fwd(rows, cols[:, :3], s, None, 0, True, "fused", WS, False)
     with pytest.raises(RuntimeError, match="contrastive_lse_forward: rows and cols must have the same dtype"):
-        fwd(rows, cols.half(), s, None, 0, True, False, False, False)
+        fwd(rows, cols.half(), s, None, 0, True, "fused", WS, False)
     with pytest.raises(RuntimeError, match="contrastive_lse_forward: pos_offset must satisfy"):
-        fwd(rows, cols, s, None, -1, True, False, False, False)
+        fwd(rows, cols, s, None, -1, True, "fused", WS, False)
     with pytest.raises(RuntimeError, match="contrastive_lse_forward: scale must be a 0-dim tensor"):
-        fwd(rows, cols, s.reshape(1), None, 0, True, False, False, False)
+        fwd(rows, cols, s.reshape(1), None, 0, True, "fused", WS, False)
     with pytest.raises(RuntimeError, match="contrastive_lse_forward: empty inputs"):
-        fwd(rows[:0], cols, s, None, 0, True, False, False, False)
-    row_lse, _, _ = fwd(rows, cols, s, None, 0, True, False, False, False)
+        fwd(rows[:0], cols, s, None, 0, True, "fused", WS, False)
+    row_lse, _, _ = fwd(rows, cols, s, None, 0, True, "fused", WS, False)
     with pytest.raises(RuntimeError, match="contrastive_lse_backward: grad_col_lse was given but col_lse is None"):
         OPS.contrastive_lse_backward(row_lse, row_lse, torch.ones(10), rows, cols, s, None, 0, row_lse, None,
-                                     False, False, False)
+                                     "fused", WS, False)
 
 
 def test_clip_loss_bad_input():

@@ -5,6 +5,7 @@ gradients of stochastic_round / stochastic_round_ are the identity (straight-thr
 import pytest
 import torch
 
+import clipshard
 from clipshard import stochastic_round, stochastic_round_
 from clipshard.optim import AdamW
 
@@ -128,3 +129,11 @@ def test_adamw_step_bumps_parameters_and_moments(state_dtype):
     before = [t._version for t in tensors]
     opt.step()
     assert all(t._version > v for t, v in zip(tensors, before))
+
+
+def test_to_half_precision_invalidates_graphs_that_saved_the_fp32_weight():
+    w = torch.nn.Parameter(torch.linspace(-1.0, 1.0, 64))
+    loss = (w * w).sum()  # saves w
+    clipshard.optim.to_half_precision_(w, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

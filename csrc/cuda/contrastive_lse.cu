@@ -21,6 +21,7 @@
 #include "contrastive_lse_chunked.h"
 #include "contrastive_lse_kernels.cuh"
 #include "contrastive_lse_mma.cuh"
+#include "dispatch_features.h"
 #include "fp16_prescale.h"
 
 namespace clipshard {
@@ -28,17 +29,6 @@ namespace {
 
 using at::Tensor;
 namespace k = lse_cuda;
-
-// Calls f(T{}) with the element type of a supported feature dtype.
-template <typename F>
-void dispatch_features(at::ScalarType dtype, F&& f) {
-  switch (dtype) {
-    case at::kFloat: return f(float{});
-    case at::kHalf: return f(at::Half{});
-    case at::kBFloat16: return f(at::BFloat16{});
-    default: TORCH_INTERNAL_ASSERT(false, "unsupported dtype ", dtype);
-  }
-}
 
 void check_scalar(const char* fn, const char* name, const Tensor& t, const Tensor& rows) {
   TORCH_CHECK(t.dim() == 0, fn, ": ", name, " must be a 0-dim tensor, got shape ", t.sizes());

@@ -11,6 +11,7 @@
 
 #include "../chunked/chunk_driver.h"
 #include "contrastive_lse_chunked_kernels.cuh"
+#include "dispatch_features.h"
 #include "fp16_prescale.h"
 
 namespace clipshard {
@@ -43,16 +44,6 @@ unsigned column_splits(int64_t width, unsigned n_row_blocks) {
 }
 
 k::Lse* as_states(const Tensor& t) { return reinterpret_cast<k::Lse*>(t.data_ptr<float>()); }
-
-template <typename F>
-void dispatch_features(at::ScalarType dtype, F&& f) {
-  switch (dtype) {
-    case at::kFloat: return f(float{});
-    case at::kHalf: return f(at::Half{});
-    case at::kBFloat16: return f(at::BFloat16{});
-    default: TORCH_INTERNAL_ASSERT(false, "unsupported dtype ", dtype);
-  }
-}
 
 }  // namespace
 

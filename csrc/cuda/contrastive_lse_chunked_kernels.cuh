@@ -49,14 +49,16 @@ struct GradChunkParams {
 
 // A warp's 32 row states, one set per lane, reduced so that lane r ends with row r's total: at
 // each of 5 steps a lane keeps half of its states and merges in its partner's copy of that half
-// (31 merges per lane instead of 5 x 32).
+// (31 merges per lane instead of 5 x 32). Every index is a compile-time constant (the inner loop
+// has a fixed trip count), so the states stay in registers.
 __device__ __forceinline__ Lse warp_reduce_rows(Lse (&state)[kRowsPerCta]) {
   const int lane = threadIdx.x % 32;
 #pragma unroll
-  for (int half = 16; half > 0; half /= 2) {
+  for (int half = kRowsPerCta / 2; half > 0; half /= 2) {
     const bool upper = (lane & half) != 0;
 #pragma unroll
-    for (int k = 0; k < half; ++k) {
+    for (int k = 0; k < kRowsPerCta / 2; ++k) {
+      if (k >= half) continue;
       const Lse send = upper ? state[k] : state[k + half];
       Lse keep = upper ? state[k + half] : state[k];
       const float m = __shfl_xor_sync(0xffffffffu, send.max, half);
@@ -87,12 +89,13 @@ __global__ void __launch_bounds__(kThreads) chunk_forward_kernel(ForwardChunkPar
     const int64_t pos_row = p.begin + j - p.pos_offset - i0;  // the row whose positive is column j
     Lse col_state = Lse::empty();
 #pragma unroll
-    for (int r = 0; r < kRowsPerCta; ++r) {
-      if (r >= rows) break;
-      const float x = scale * column[r * p.width];
-      row_state[r].add(x);
-      col_state.add(x);
-      if (pos_row == r) p.pos_logit[i0 + r] = x;
+    for (int r = 0; r < kRowsPerCta; ++r) {  // fully unrolled: row_state stays in registers
+      if (r < rows) {
+        const float x = scale * column[r * p.width];
+        row_state[r].add(x);
+        col_state.add(x);
+        if (pos_row == r) p.pos_logit[i0 + r] = x;
+      }
     }
     if (p.col_partial != nullptr) p.col_partial[blockIdx.y * p.width + j] = col_state;
   }

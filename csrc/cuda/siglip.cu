@@ -18,6 +18,7 @@
 
 #include "../chunked/chunk_driver.h"
 #include "../siglip_args.h"
+#include "dispatch_features.h"
 #include "fp16_prescale.h"
 #include "siglip_kernels.cuh"
 
@@ -26,17 +27,6 @@ namespace {
 
 using at::Tensor;
 namespace k = siglip_cuda;
-
-// Calls f(DL{}) with the element type of the logit gradients for features of this dtype.
-template <typename F>
-void dispatch_grad_type(at::ScalarType dtype, F&& f) {
-  switch (dtype) {
-    case at::kFloat: return f(float{});
-    case at::kHalf: return f(at::Half{});
-    case at::kBFloat16: return f(at::BFloat16{});
-    default: TORCH_INTERNAL_ASSERT(false, "unsupported dtype ", dtype);
-  }
-}
 
 // (prescale, 1 / prescale) on the device for fp16 logit gradients |scale * dl| <= |scale|: the
 // softmax loss's rule with the bound |scale| * 1 (one "row gradient" of 1, no other terms).
@@ -90,7 +80,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> siglip_forward_cuda(
     const Tensor scales = grad_dtype == at::kHalf ? fp16_prescale(scale) : Tensor();
     const Tensor prescale = scales.defined() ? scales[0] : Tensor();
     const Tensor unscale = scales.defined() ? scales[1] : Tensor();
-    dispatch_grad_type(grad_dtype, [&](auto dl_type) {
+    dispatch_features(grad_dtype, [&](auto dl_type) {
       using DL = decltype(dl_type);
       auto grads = chunked::chunked_gradients(rows, cols, kc, grad_dtype, unscale,
                                               [&](const chunked::Chunk& chunk, Tensor& dlogits) {

@@ -8,6 +8,7 @@
 // The kernels, compiled as host code:
 #include "contrastive_lse_chunked_kernels.cuh"
 #include "fp16_prescale.cuh"
+#include "lse_reference.h"
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -136,46 +137,10 @@ static bool run_case(const Case& c, std::mt19937& gen) {
   for (auto& v : grad_rows) v *= prescale[1];
   for (auto& v : grad_cols) v *= prescale[1];
 
-  // Reference in double.
-  std::vector<double> S(M * K), dot(M * K), ref_row(M), ref_col(K);
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < K; ++j) {
-      double d = 0;
-      for (int64_t f = 0; f < D; ++f) d += double(float(rows[i * D + f])) * float(cols[j * D + f]);
-      dot[i * K + j] = d;
-      S[i * K + j] = scale * d + c.bias;
-    }
-  auto lse = [](const std::vector<double>& x) {
-    double m = -INFINITY, s = 0;
-    for (double v : x) m = std::max(m, v);
-    for (double v : x) s += std::exp(v - m);
-    return m + std::log(s);
-  };
-  for (int64_t i = 0; i < M; ++i) ref_row[i] = lse(std::vector<double>(S.begin() + i * K, S.begin() + (i + 1) * K));
-  for (int64_t j = 0; j < K; ++j) {
-    std::vector<double> x(M);
-    for (int64_t i = 0; i < M; ++i) x[i] = S[i * K + j];
-    ref_col[j] = lse(x);
-  }
-  // bound_*: sum of |each term| of a gradient entry, the scale of its rounding error.
-  std::vector<double> ref_rows(M * D, 0.0), ref_cols(K * D, 0.0), bound_rows(M * D, 0.0), bound_cols(K * D, 0.0);
-  double ref_scale = 0, ref_bias = 0, bound = 0;
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < K; ++j) {
-      const double s = S[i * K + j];
-      double d = g_row[i] * std::exp(s - ref_row[i]);
-      if (c.has_col) d += g_col[j] * std::exp(s - ref_col[j]);
-      if (j == i + c.pos) d += g_pos[i];
-      for (int64_t f = 0; f < D; ++f) {
-        ref_rows[i * D + f] += scale * d * float(cols[j * D + f]);
-        ref_cols[j * D + f] += scale * d * float(rows[i * D + f]);
-        bound_rows[i * D + f] += std::fabs(scale * d * float(cols[j * D + f]));
-        bound_cols[j * D + f] += std::fabs(scale * d * float(rows[i * D + f]));
-      }
-      ref_scale += d * dot[i * K + j];
-      ref_bias += d;
-      bound += std::fabs(d) * (1 + std::fabs(dot[i * K + j]));
-    }
+  // Reference in double, from the values the kernels read.
+  const std::vector<float> rows_f(rows.begin(), rows.end()), cols_f(cols.begin(), cols.end());
+  const LseReference ref = lse_reference(rows_f, cols_f, M, K, D, scale, c.bias, g_row,
+                                         c.has_col ? g_col : std::vector<float>{}, g_pos, c.pos);
 
   bool ok = true;
   char label[160];
@@ -191,17 +156,17 @@ static bool run_case(const Case& c, std::mt19937& gen) {
   }
   const double atol = 1e-5 * (1 + scale + std::fabs(c.bias));
   for (int64_t i = 0; i < M && ok; ++i) {
-    ok &= close(row_lse[i], ref_row[i], atol, "row_lse", i);
-    ok &= close(pos[i], S[i * K + i + c.pos], atol, "pos_logit", i);
+    ok &= close(row_lse[i], ref.row_lse[i], atol, "row_lse", i);
+    ok &= close(pos[i], ref.S[i * K + i + c.pos], atol, "pos_logit", i);
   }
-  for (int64_t j = 0; j < K && ok && c.has_col; ++j) ok &= close(col_lse[j], ref_col[j], atol, "col_lse", j);
+  for (int64_t j = 0; j < K && ok && c.has_col; ++j) ok &= close(col_lse[j], ref.col_lse[j], atol, "col_lse", j);
   // Each gradient entry against the sum of its terms' magnitudes: dlogits are rounded to T once
   // (relative error 2^-11 in fp16, 2^-8 in bf16), so a term lost to underflow fails the check.
   const double grad_tol = std::is_same_v<T, float> ? 1e-4 : std::is_same_v<T, c10::Half> ? 2e-3 : 1.6e-2;
-  for (int64_t n = 0; n < M * D && ok; ++n) ok &= close(grad_rows[n], ref_rows[n], grad_tol * bound_rows[n], "grad_rows", n);
-  for (int64_t n = 0; n < K * D && ok; ++n) ok &= close(grad_cols[n], ref_cols[n], grad_tol * bound_cols[n], "grad_cols", n);
-  ok &= close(sum_scale, ref_scale, 1e-5 * bound, "grad_scale", 0);
-  ok &= close(sum_bias, ref_bias, 1e-5 * bound, "grad_bias", 0);
+  for (int64_t n = 0; n < M * D && ok; ++n) ok &= close(grad_rows[n], ref.grad_rows[n], grad_tol * ref.bound_rows[n], "grad_rows", n);
+  for (int64_t n = 0; n < K * D && ok; ++n) ok &= close(grad_cols[n], ref.grad_cols[n], grad_tol * ref.bound_cols[n], "grad_cols", n);
+  ok &= close(sum_scale, ref.grad_scale, 1e-5 * ref.sum_bound, "grad_scale", 0);
+  ok &= close(sum_bias, ref.grad_bias, 1e-5 * ref.sum_bound, "grad_bias", 0);
   std::printf("%s %s\n", ok ? "ok" : "FAILED", label);
   return ok;
 }

@@ -9,6 +9,7 @@
 // The kernels, compiled as host code:
 #include "contrastive_lse_mma.cuh"
 #include "fp16_prescale.cuh"
+#include "lse_reference.h"
 
 #include <algorithm>
 #include <cmath>
@@ -102,54 +103,10 @@ static bool run_case(const Case& c, std::mt19937& gen) {
   };
   emulate_launch(sum_kernel, 1, k::kThreads, 0);
 
-  // Reference in double.
-  std::vector<double> S(M * K), dot(M * K), ref_row(M), ref_col(K);
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < K; ++j) {
-      double d = 0;
-      for (int64_t f = 0; f < D; ++f) d += double(float(rows[i * D + f])) * float(cols[j * D + f]);
-      dot[i * K + j] = d;
-      S[i * K + j] = scale * d + (c.has_bias ? bias : 0.0);
-    }
-  auto lse = [](const std::vector<double>& x) {
-    double m = -INFINITY;
-    for (double v : x) m = std::max(m, v);
-    double s = 0;
-    for (double v : x) s += std::exp(v - m);
-    return m + std::log(s);
-  };
-  for (int64_t i = 0; i < M; ++i) {
-    std::vector<double> x(S.begin() + i * K, S.begin() + (i + 1) * K);
-    bool nan = false;
-    for (double v : x) nan |= std::isnan(v);
-    ref_row[i] = nan ? NAN : lse(x);
-  }
-  for (int64_t j = 0; j < K; ++j) {
-    std::vector<double> x(M);
-    bool nan = false;
-    for (int64_t i = 0; i < M; ++i) x[i] = S[i * K + j], nan |= std::isnan(x[i]);
-    ref_col[j] = nan ? NAN : lse(x);
-  }
-  // bound_*: sum of |each term| of a gradient entry, the scale of its rounding error.
-  std::vector<double> ref_grad_rows(M * D, 0.0), ref_grad_cols(K * D, 0.0), bound_rows(M * D, 0.0),
-      bound_cols(K * D, 0.0);
-  double ref_scale = 0, ref_bias = 0, bound = 0;
-  for (int64_t i = 0; i < M; ++i)
-    for (int64_t j = 0; j < K; ++j) {
-      const double s = S[i * K + j];
-      double d = g_row[i] * std::exp(s - ref_row[i]);
-      if (c.has_col) d += g_col[j] * std::exp(s - ref_col[j]);
-      if (j == i + c.pos) d += g_pos[i];
-      for (int64_t f = 0; f < D; ++f) {
-        ref_grad_rows[i * D + f] += scale * d * float(cols[j * D + f]);
-        ref_grad_cols[j * D + f] += scale * d * float(rows[i * D + f]);
-        bound_rows[i * D + f] += std::fabs(scale * d * float(cols[j * D + f]));
-        bound_cols[j * D + f] += std::fabs(scale * d * float(rows[i * D + f]));
-      }
-      ref_scale += d * dot[i * K + j];
-      ref_bias += d;
-      bound += std::fabs(d) * (1 + std::fabs(dot[i * K + j]));
-    }
+  // Reference in double, from the values the kernels read.
+  const std::vector<float> rows_f(rows.begin(), rows.end()), cols_f(cols.begin(), cols.end());
+  const LseReference ref = lse_reference(rows_f, cols_f, M, K, D, scale, c.has_bias ? bias : 0.f, g_row,
+                                         c.has_col ? g_col : std::vector<float>{}, g_pos, c.pos);
 
   bool ok = true;
   if (c.nan_row) {  // NaN in row 1: its row LSE, its positive logit and every column LSE are NaN
@@ -163,20 +120,20 @@ static bool run_case(const Case& c, std::mt19937& gen) {
   }
   const double atol = 1e-5 * (1 + scale);
   for (int64_t i = 0; i < M && ok; ++i) {
-    ok &= close(row_lse[i], ref_row[i], atol, "row_lse", i);
-    ok &= close(pos[i], S[i * K + i + c.pos], atol, "pos_logit", i);
+    ok &= close(row_lse[i], ref.row_lse[i], atol, "row_lse", i);
+    ok &= close(pos[i], ref.S[i * K + i + c.pos], atol, "pos_logit", i);
   }
-  for (int64_t j = 0; j < K && ok; ++j) ok &= close(col_lse[j], ref_col[j], atol, "col_lse", j);
+  for (int64_t j = 0; j < K && ok; ++j) ok &= close(col_lse[j], ref.col_lse[j], atol, "col_lse", j);
   // The tensor-core backward rounds (pre-scaled) scale * dS to T before the dS @ other product:
   // each gradient entry is checked against the sum of its terms' magnitudes, so a term lost to
   // underflow fails the check.
   const double grad_tol = !kMma ? 1e-4 : std::is_same_v<T, c10::Half> ? 2e-3 : 1.6e-2;
   for (int64_t n = 0; n < M * D && ok; ++n)
-    ok &= close(grad_rows[n], ref_grad_rows[n], grad_tol * bound_rows[n], "grad_rows", n);
+    ok &= close(grad_rows[n], ref.grad_rows[n], grad_tol * ref.bound_rows[n], "grad_rows", n);
   for (int64_t n = 0; n < K * D && ok; ++n)
-    ok &= close(grad_cols[n], ref_grad_cols[n], grad_tol * bound_cols[n], "grad_cols", n);
-  ok &= close(sums[0], ref_scale, 1e-5 * bound, "grad_scale", 0);
-  ok &= close(sums[1], ref_bias, 1e-5 * bound, "grad_bias", 0);
+    ok &= close(grad_cols[n], ref.grad_cols[n], grad_tol * ref.bound_cols[n], "grad_cols", n);
+  ok &= close(sums[0], ref.grad_scale, 1e-5 * ref.sum_bound, "grad_scale", 0);
+  ok &= close(sums[1], ref.grad_bias, 1e-5 * ref.sum_bound, "grad_bias", 0);
   std::printf("%s %s M=%lld K=%lld D=%lld pos=%lld scale=%g bias=%d col=%d%s\n", ok ? "ok" : "FAILED",
               path, (long long)M, (long long)K, (long long)D, (long long)c.pos, scale, c.has_bias,
               c.has_col, c.realistic ? " realistic-gradients" : "");
