@@ -200,6 +200,20 @@ def test_sixteen_bit_against_open_clip():
             assert mine <= max(2 * theirs, grad_tol(dtype, 10.0)), (dtype, name, mine, theirs)
 
 
+def test_non_contiguous_inputs_and_partial_requires_grad():
+    base = features(60, 20, torch.float32, seed=26)
+    rows, cols = base[::3, ::2], features(50, 10, torch.float32, seed=27).T.contiguous().T  # strided views
+    assert not rows.is_contiguous() and not cols.is_contiguous()
+    r = rows.clone().requires_grad_()  # only the rows (and no scalar) need a gradient
+    loss = siglip_sum(r, cols, 10.0, -10.0, pos_offset=5)
+    loss.backward()
+    leaves = [rows.double().requires_grad_(), cols.double(), torch.tensor(10.0), torch.tensor(-10.0)]
+    ref = siglip_sum_reference(*leaves, pos_offset=5)
+    ref.backward()
+    assert abs(loss.item() - ref.item()) <= loss_tol(torch.float32, 10.0) * ref.item()
+    assert rel_error(r.grad, leaves[0].grad) <= grad_tol(torch.float32, 10.0)
+
+
 def test_nan_propagates():
     rows, cols = features(300, 10, torch.float32, seed=16), features(700, 10, torch.float32, seed=17)
     rows[5, 3] = float("nan")
