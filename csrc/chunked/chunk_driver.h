@@ -13,12 +13,17 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/version.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <utility>
 
 namespace clipshard::chunked {
+
+// torch 2.12 and later accept addmm.dtype_out(fp32 accumulator, 16-bit factors, out=accumulator).
+constexpr bool kAddmmAccumulatesInFp32 =
+    TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 12);
 
 // Chunk widths are multiples of this (or K itself when K is smaller).
 constexpr int64_t kColumnQuantum = 128;
@@ -88,16 +93,19 @@ std::pair<at::Tensor, at::Tensor> chunked_gradients(const at::Tensor& rows, cons
   // through an fp32 chunk buffer (16-bit outputs are then rounded once, from fp32).
   const bool direct = !unscale.defined() && grad_dtype == rows.scalar_type() && grad_dtype == acc;
   const at::Tensor cols_buffer = direct ? at::Tensor() : at::empty({width_max * D}, rows.options().dtype(acc));
-  // 16-bit dlogits: the rows' gradient of a chunk goes through an fp32 M x D buffer and is added to
-  // the accumulator (addmm with an fp32 accumulator and 16-bit factors is not accepted by every
-  // torch version's addmm.dtype_out; the extra M x D traffic is a few % of the chunk's GEMMs).
-  const at::Tensor rows_buffer = grad_dtype == acc ? at::Tensor() : at::empty({M, D}, rows.options().dtype(acc));
+  // 16-bit dlogits before torch 2.12, whose addmm.dtype_out refuses an fp32 accumulator with 16-bit
+  // factors: the rows' gradient of a chunk goes through an fp32 M x D buffer and is then added (the
+  // extra M x D traffic is a few % of the chunk's GEMMs).
+  const bool buffered_rows = grad_dtype != acc && !kAddmmAccumulatesInFp32;
+  const at::Tensor rows_buffer = buffered_rows ? at::empty({M, D}, rows.options().dtype(acc)) : at::Tensor();
   for_each_chunk(rows, cols, kc, [&](const Chunk& chunk) {
     at::Tensor dlogits = workspace_view(grad_workspace, M, chunk.width);
     fill_grad(chunk, dlogits);
     const at::Tensor cols_chunk = cols.narrow(0, chunk.begin, chunk.width);
     if (grad_dtype == acc) {
       grad_rows.addmm_(dlogits, cols_chunk);  // beta = 1: accumulate in place
+    } else if (!buffered_rows) {
+      at::addmm_out(grad_rows, grad_rows, dlogits, cols_chunk, acc);  // fp32 accumulator, beta = 1
     } else {
       at::Tensor chunk_rows = rows_buffer;
       mm_into(chunk_rows, dlogits, cols_chunk);
