@@ -127,6 +127,20 @@ def fmt(value, spec, missing="-"):
     return missing if value is None else format(value, spec)
 
 
+def comparison_columns():
+    """The time, memory and ratio columns of a loss comparison table: rows carry median_s, p20_s,
+    p80_s, peak_bytes and the time/memory ratios to open_clip and to the naive loss."""
+    return [
+        ("median ms", lambda r: f"{r['median_s'] * 1e3:.1f}"),
+        ("p20-p80 ms", lambda r: f"{r['p20_s'] * 1e3:.1f}-{r['p80_s'] * 1e3:.1f}"),
+        ("peak MiB", lambda r: f"{r['peak_bytes'] / 2**20:.1f}"),
+        ("time/oc", lambda r: fmt(r["time_vs_open_clip"], ".3f")),
+        ("mem/oc", lambda r: fmt(r["mem_vs_open_clip"], ".4f")),
+        ("time/naive", lambda r: fmt(r["time_vs_naive"], ".3f")),
+        ("mem/naive", lambda r: fmt(r["mem_vs_naive"], ".4f")),
+    ]
+
+
 def print_table(columns, rows, title=None):
     """Print rows as a text table. columns: [(heading, cell)] or [(heading, cell, "<")] where
     cell(row) returns a string; columns are right-aligned ("<": left-aligned), each as wide as its

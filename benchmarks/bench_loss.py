@@ -22,7 +22,7 @@ import torch
 import clipshard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import (fmt, parser_with_common_arguments, peak_memory_bytes, print_table,  # noqa: E402
+from _measure import (comparison_columns, parser_with_common_arguments, peak_memory_bytes, print_table,  # noqa: E402
                       require_device, run_metadata, time_repeats, write_json)
 
 DEFAULT_SIZES = {"cpu": [2048, 4096, 8192], "cuda": [8192, 16384, 32768]}
@@ -126,13 +126,7 @@ def main():
         ("B", lambda r: str(r["batch"])),
         ("mode", lambda r: r["mode"], "<"),
         ("impl", lambda r: r["impl"], "<"),
-        ("median ms", lambda r: f"{r['median_s'] * 1e3:.1f}"),
-        ("p20-p80 ms", lambda r: f"{r['p20_s'] * 1e3:.1f}-{r['p80_s'] * 1e3:.1f}"),
-        ("peak MiB", lambda r: f"{r['peak_bytes'] / 2**20:.1f}"),
-        ("time/oc", lambda r: fmt(r["time_vs_open_clip"], ".3f")),
-        ("mem/oc", lambda r: fmt(r["mem_vs_open_clip"], ".3f")),
-        ("time/naive", lambda r: fmt(r["time_vs_naive"], ".3f")),
-        ("mem/naive", lambda r: fmt(r["mem_vs_naive"], ".3f")),
+        *comparison_columns(),
     ], rows, title=f"\nCLIP loss, one device ({args.device}, {torch.get_num_threads()} threads), D={dim}, "
                    f"scale={args.scale}; median of {repeats}; memory = peak bytes the loss allocates")
     write_json(args.json, {"meta": {**run_metadata(args.device), "scale": args.scale, "repeats": repeats},

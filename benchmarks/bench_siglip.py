@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 import clipshard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _measure import (fmt, parser_with_common_arguments, peak_memory_bytes, print_table,  # noqa: E402
+from _measure import (comparison_columns, fmt, parser_with_common_arguments, peak_memory_bytes, print_table,  # noqa: E402
                       require_device, run_metadata, summarize, time_call, time_repeats, write_json)
 from bench_loss import add_ratios  # noqa: E402
 
@@ -216,13 +216,7 @@ def main():
         ("rows x cols", lambda r: r["batch"]),
         ("mode", lambda r: r["mode"], "<"),
         ("impl", lambda r: r["impl"], "<"),
-        ("median ms", lambda r: f"{r['median_s'] * 1e3:.1f}"),
-        ("p20-p80 ms", lambda r: f"{r['p20_s'] * 1e3:.1f}-{r['p80_s'] * 1e3:.1f}"),
-        ("peak MiB", lambda r: f"{r['peak_bytes'] / MIB:.1f}"),
-        ("time/oc", lambda r: fmt(r["time_vs_open_clip"], ".3f")),
-        ("mem/oc", lambda r: fmt(r["mem_vs_open_clip"], ".4f")),
-        ("time/naive", lambda r: fmt(r["time_vs_naive"], ".3f")),
-        ("mem/naive", lambda r: fmt(r["mem_vs_naive"], ".4f")),
+        *comparison_columns(),
     ], rows, title=f"\nSigLIP loss, one process ({args.device}, {torch.get_num_threads()} threads), D={args.dim}, "
                    f"{args.dtype}, scale 10, bias -10; median of {args.repeats}; memory = peak bytes the loss allocates")
     report = {"meta": {**run_metadata(args.device), "repeats": args.repeats}, "results": rows}

@@ -11,25 +11,18 @@ cuBLAS GEMM into a bounded fp32 workspace, then one fused elementwise kernel (th
 import torch
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
-from clipshard._checks import check_feature_pair, check_flags
+from clipshard._block_checks import accumulate_dtype, check_block_features, check_logit_scalar
+from clipshard._checks import check_flags
 from clipshard._workspace import workspace_bytes as _workspace_bytes
 
 ALGORITHMS = ("auto", "fused", "chunked")
-
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-def _acc_dtype(dtype):
-    """Outputs and accumulation: fp64 for fp64 inputs, fp32 for everything else."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
 
 @torch.library.register_fake("clipshard::contrastive_lse_forward")
 def _forward_fake(rows, cols, scale, bias, pos_offset, want_col_lse, algorithm, workspace_bytes, deterministic):
     torch._check(rows.dim() == 2 and cols.dim() == 2, lambda: "contrastive_lse_forward: rows and cols must be 2-D")
     torch._check(rows.shape[1] == cols.shape[1],
                  lambda: "contrastive_lse_forward: rows and cols must have the same feature size D")
-    acc = _acc_dtype(rows.dtype)
+    acc = accumulate_dtype(rows.dtype)
     m, k = rows.shape[0], cols.shape[0]
     return (rows.new_empty(m, dtype=acc), rows.new_empty(m, dtype=acc),
             rows.new_empty(k if want_col_lse else 0, dtype=acc))
@@ -71,42 +64,6 @@ def _backward(ctx, grad_row_lse, grad_pos_logit, grad_col_lse):
 torch.library.register_autograd("clipshard::contrastive_lse_forward", _backward, setup_context=_setup_context)
 
 
-def _check_scalar(name, value, rows):
-    """A Python number becomes a 0-dim tensor; a one-element tensor of any shape (open_clip's
-    nonscalar_logit_scale uses shape (1,)) is viewed as 0-dim, so its gradient keeps its shape."""
-    if not isinstance(value, torch.Tensor):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"contrastive_lse: {name} must be a float or a one-element tensor, got "
-                            f"{type(value).__name__}")
-        return torch.tensor(float(value), dtype=_acc_dtype(rows.dtype), device=rows.device)
-    if value.numel() != 1:
-        raise ValueError(f"contrastive_lse: {name} must be a one-element tensor, got shape {tuple(value.shape)}")
-    if not value.is_floating_point():
-        raise TypeError(f"contrastive_lse: {name} must be a floating-point tensor, got {value.dtype}")
-    if value.device != rows.device:
-        raise ValueError(f"contrastive_lse: {name} must be on the same device as rows ({rows.device}), "
-                         f"got {value.device}")
-    return value.reshape(())
-
-
-def _check_features(rows, cols, pos_offset):
-    check_feature_pair("contrastive_lse", ("rows", "cols"), rows, cols, ("M x D", "K x D"))
-    if rows.dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(f"contrastive_lse: rows must be float32, float16, bfloat16 or float64, got {rows.dtype}")
-    if rows.shape[1] != cols.shape[1]:
-        raise ValueError(f"contrastive_lse: rows and cols must have the same feature size D, got "
-                         f"{rows.shape[1]} and {cols.shape[1]}")
-    m, k = rows.shape[0], cols.shape[0]
-    if m == 0 or k == 0 or rows.shape[1] == 0:
-        raise ValueError(f"contrastive_lse: empty inputs are not supported (need M, K, D >= 1), got rows "
-                         f"{tuple(rows.shape)} and cols {tuple(cols.shape)}")
-    if isinstance(pos_offset, bool) or not isinstance(pos_offset, int):
-        raise TypeError(f"contrastive_lse: pos_offset must be an int, got {type(pos_offset).__name__}")
-    if pos_offset < 0 or pos_offset + m > k:
-        raise ValueError(f"contrastive_lse: pos_offset must satisfy 0 <= pos_offset and pos_offset + M <= K "
-                         f"(M = {m}, K = {k}), got {pos_offset}")
-
-
 def resolve_algorithm(fn, algorithm, device):
     """"auto" is "chunked" on CUDA and "fused" elsewhere; anything else must be a known name."""
     if algorithm not in ALGORITHMS:
@@ -141,11 +98,11 @@ def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=Tru
         (row_lse [M], pos_logit [M], col_lse [K], or an empty tensor when not wanted), fp32 — fp64
         for fp64 inputs — whatever the input dtype. Gradients flow to rows, cols, scale and bias.
     """
-    _check_features(rows, cols, pos_offset)
+    check_block_features("contrastive_lse", rows, cols, pos_offset)
     check_flags("contrastive_lse", want_col_lse=want_col_lse, deterministic=deterministic)
-    scale = _check_scalar("scale", scale, rows)
+    scale = check_logit_scalar("contrastive_lse", "scale", scale, rows)
     if bias is not None:
-        bias = _check_scalar("bias", bias, rows)
+        bias = check_logit_scalar("contrastive_lse", "bias", bias, rows)
     algorithm = resolve_algorithm("contrastive_lse", algorithm, rows.device)
     budget = _workspace_bytes("contrastive_lse", rows.device, workspace_bytes)
     return torch.ops.clipshard.contrastive_lse_forward(rows, cols, scale, bias, pos_offset, want_col_lse,

@@ -3,8 +3,6 @@ the benchmarks as the ground truth; never used in training."""
 import numpy as np
 import torch
 
-from clipshard.optim import AdamW
-
 
 def similarity_reference(rows, cols, scale, bias=None):
     """S = scale * rows @ cols^T (+ bias), in fp64."""

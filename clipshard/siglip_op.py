@@ -14,22 +14,14 @@ import torch
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
 from clipshard import _workspace
-from clipshard._checks import check_feature_pair
-
-_SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-def _acc_dtype(dtype):
-    """The loss sum is accumulated and returned in fp64 for fp64 inputs, fp32 for all others."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
+from clipshard._block_checks import accumulate_dtype, check_block_features, check_logit_scalar
 
 @torch.library.register_fake("clipshard::siglip_forward")
 def _forward_fake(rows, cols, scale, bias, pos_offset, with_grad, workspace_bytes):
     torch._check(rows.dim() == 2 and cols.dim() == 2, lambda: "siglip_forward: rows and cols must be 2-D")
     torch._check(rows.shape[1] == cols.shape[1],
                  lambda: "siglip_forward: rows and cols must have the same feature size D")
-    loss_sum = rows.new_empty((), dtype=_acc_dtype(rows.dtype))
+    loss_sum = rows.new_empty((), dtype=accumulate_dtype(rows.dtype))
     if not with_grad:
         return (loss_sum, rows.new_empty(0), cols.new_empty(0), scale.new_empty(0), scale.new_empty(0))
     grad_bias = bias.new_empty(()) if bias is not None else scale.new_empty(0)
@@ -65,39 +57,6 @@ def _backward(ctx, grad_loss, *unused):
 torch.library.register_autograd("clipshard::siglip_forward", _backward, setup_context=_setup_context)
 
 
-def _check_scalar(name, value, rows):
-    """A Python number becomes a 0-dim tensor on rows' device; a tensor must be 0-dim."""
-    if not isinstance(value, torch.Tensor):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"siglip_sum: {name} must be a float or a 0-dim tensor, got {type(value).__name__}")
-        return torch.tensor(float(value), dtype=_acc_dtype(rows.dtype), device=rows.device)
-    if value.dim() != 0:
-        raise ValueError(f"siglip_sum: {name} must be a 0-dim tensor, got shape {tuple(value.shape)}")
-    if not value.is_floating_point():
-        raise TypeError(f"siglip_sum: {name} must be a floating-point tensor, got {value.dtype}")
-    if value.device != rows.device:
-        raise ValueError(f"siglip_sum: {name} must be on the same device as rows ({rows.device}), got {value.device}")
-    return value
-
-
-def _check_features(rows, cols, pos_offset):
-    check_feature_pair("siglip_sum", ("rows", "cols"), rows, cols, ("M x D", "K x D"))
-    if rows.dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(f"siglip_sum: rows must be float32, float16, bfloat16 or float64, got {rows.dtype}")
-    if rows.shape[1] != cols.shape[1]:
-        raise ValueError(f"siglip_sum: rows and cols must have the same feature size D, got {rows.shape[1]} "
-                         f"and {cols.shape[1]}")
-    m, k = rows.shape[0], cols.shape[0]
-    if m == 0 or k == 0 or rows.shape[1] == 0:
-        raise ValueError(f"siglip_sum: empty inputs are not supported (need M, K, D >= 1), got rows "
-                         f"{tuple(rows.shape)} and cols {tuple(cols.shape)}")
-    if isinstance(pos_offset, bool) or not isinstance(pos_offset, int):
-        raise TypeError(f"siglip_sum: pos_offset must be an int, got {type(pos_offset).__name__}")
-    if pos_offset < 0 or pos_offset + m > k:
-        raise ValueError(f"siglip_sum: pos_offset must satisfy 0 <= pos_offset and pos_offset + M <= K "
-                         f"(M = {m}, K = {k}), got {pos_offset}")
-
-
 def siglip_sum(rows, cols, scale, bias=None, pos_offset=0, *, workspace_bytes=None):
     """Fused sum of the SigLIP loss terms of an M x K block, never materialising the logits.
 
@@ -113,10 +72,10 @@ def siglip_sum(rows, cols, scale, bias=None, pos_offset=0, *, workspace_bytes=No
         0-dim fp32 tensor (fp64 for fp64 inputs): sum_ij softplus(-z_ij * l_ij). Differentiable with
         respect to rows, cols, scale and bias.
     """
-    _check_features(rows, cols, pos_offset)
-    scale = _check_scalar("scale", scale, rows)
+    check_block_features("siglip_sum", rows, cols, pos_offset)
+    scale = check_logit_scalar("siglip_sum", "scale", scale, rows)
     if bias is not None:
-        bias = _check_scalar("bias", bias, rows)
+        bias = check_logit_scalar("siglip_sum", "bias", bias, rows)
     budget = _workspace.workspace_bytes("siglip_sum", rows.device, workspace_bytes)
     inputs = (rows, cols, scale) + ((bias,) if bias is not None else ())
     with_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
