@@ -88,3 +88,9 @@ def run_group(fn, world_size, *args, timeout=120):
     if failures:
         raise AssertionError("\n".join(failures))
     return [outcome[r][1] for r in range(world_size)]
+
+
+def report_worst(worst):
+    """Prints the largest differences a comparison found (pytest -s shows them; the notes quote them)."""
+    for key in sorted(worst):
+        print(f"  max relative difference {key}: {worst[key]:.3g}")

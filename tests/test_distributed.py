@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import clipshard
 from clipshard.reference import clip_loss_rank_reference, clip_loss_reference
-from dist_utils import run_group
+from dist_utils import report_worst, run_group
 
 COMBINATIONS = [(True, True), (False, True), (True, False), (False, False)]  # (local_loss, gather_with_grad)
 
@@ -166,21 +166,16 @@ def _rank_main(rank, world_size, sizes_list):
     return worst
 
 
-def _report(worst):
-    for key in sorted(worst):
-        print(f"  max relative difference {key}: {worst[key]:.3g}")
-
-
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_matches_open_clip_and_fp64(world_size):
     sizes = [(6,) * world_size] if world_size != 4 else [(3,) * 4]
     results = run_group(_rank_main, world_size, sizes)
-    _report(results[0])
+    report_worst(results[0])
 
 
 def test_world_size_3_equal_and_unequal_batches():
     results = run_group(_rank_main, 3, [(4, 4, 4), (5, 3, 7)])
-    _report(results[0])
+    report_worst(results[0])
 
 
 def _subgroup_rank(rank, world_size):

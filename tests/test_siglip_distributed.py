@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import clipshard
 from clipshard.reference import siglip_loss_rank_reference
-from dist_utils import run_group
+from dist_utils import report_worst, run_group
 from test_distributed import _global_batch, _max_rel, _run_loss
 
 DIST_IMPLS = [None, "bidir", "shift", "reduce", "gather"]
@@ -97,20 +97,15 @@ def _rank_main(rank, world_size, sizes_list):
     return worst
 
 
-def _report(worst):
-    for key in sorted(worst):
-        print(f"  max relative difference {key}: {worst[key]:.3g}")
-
-
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_matches_open_clip_and_fp64(world_size):
     results = run_group(_rank_main, world_size, [(5,) * world_size])
-    _report(results[0])
+    report_worst(results[0])
 
 
 def test_world_size_3_equal_and_unequal_batches():
     results = run_group(_rank_main, 3, [(4, 4, 4), (5, 3, 7)])
-    _report(results[0])
+    report_worst(results[0])
 
 
 def _functional_and_subgroups_rank(rank, world_size):

@@ -251,7 +251,9 @@ struct BackwardArgs {
 };
 
 // Overwrites the similarity tile (rows i0.., columns j0..) with
-// dS = g_row[i] exp(S - r_lse[i]) + g_col[j] exp(S - c_lse[j]) + g_pos[i] [j == pos(i)].
+// dS = g_row[i] exp(S - r_lse[i]) + g_col[j] exp(S - c_lse[j]) + g_pos[i] [j == pos(i)],
+// softmax_dlogit of clipshard/online_lse.h, here rewritten over whole tiles (vectorised ATen
+// exponentials; one exponential per logit where the tile's range allows) for speed.
 template <typename acc_t>
 void tile_grad(at::Tensor& tile, at::Tensor& exp_buf, std::vector<acc_t>& a, std::vector<acc_t>& b,
                const BackwardArgs<acc_t>& p, int64_t i0, int64_t j0, int64_t pos_offset) {
