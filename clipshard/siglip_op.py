@@ -25,7 +25,14 @@ def _forward_fake(rows, cols, scale, bias, pos_offset, with_grad, workspace_byte
     if not with_grad:
         return (loss_sum, rows.new_empty(0), cols.new_empty(0), scale.new_empty(0), scale.new_empty(0))
     grad_bias = bias.new_empty(()) if bias is not None else scale.new_empty(0)
-    return loss_sum, rows.new_empty(rows.shape), cols.new_empty(cols.shape), scale.new_empty(()), grad_bias
+    return (loss_sum, rows.new_empty(rows.shape, dtype=_saved_grad_dtype(rows.dtype)),
+            cols.new_empty(cols.shape, dtype=_saved_grad_dtype(cols.dtype)), scale.new_empty(()), grad_bias)
+
+
+def _saved_grad_dtype(dtype):
+    """fp16 features keep the gradients of the sum in fp32 (they may exceed 65504 before the mean's
+    1/M); every other dtype keeps its own (siglip_saved_grad_dtype in csrc/siglip_args.h)."""
+    return torch.float32 if dtype == torch.float16 else dtype
 
 
 def _setup_context(ctx, inputs, output):
@@ -35,6 +42,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # else autograd allocates zero "gradients" for the four above
     ctx.with_grad = with_grad
     ctx.has_bias = bias is not None
+    ctx.feature_dtypes = (rows.dtype, cols.dtype)
     ctx.save_for_backward(grad_rows, grad_cols, grad_scale, grad_bias)
 
 
@@ -46,11 +54,12 @@ def _backward(ctx, grad_loss, *unused):
     if grad_loss is None:
         return None, None, None, None, None, None, None
     # The saved gradients are those of the sum for a unit upstream gradient; 16-bit ones are scaled
-    # in fp32 and rounded once.
-    def scaled(grad):
-        return (grad.to(grad_loss.dtype) * grad_loss).to(grad.dtype)
+    # in fp32 and rounded once, to the input's dtype.
+    def scaled(grad, dtype=None):
+        return (grad.to(grad_loss.dtype) * grad_loss).to(dtype or grad.dtype)
 
-    return (scaled(grad_rows), scaled(grad_cols), scaled(grad_scale),
+    rows_dtype, cols_dtype = ctx.feature_dtypes
+    return (scaled(grad_rows, rows_dtype), scaled(grad_cols, cols_dtype), scaled(grad_scale),
             scaled(grad_bias) if ctx.has_bias else None, None, None, None)
 
 

@@ -242,6 +242,27 @@ def test_extreme_logits_stay_finite():
     assert torch.isinf(loss) and loss > 0
 
 
+def test_fp16_gradients_of_the_mean_do_not_overflow_through_the_sum():
+    """The op keeps the gradients of the loss *sum*; with fp16 features at scale 100 and nearly
+    equal features they exceed 65504 (here about 100 * 2047), while the gradient of the mean
+    (divided by M = 2048) is about 100. fp16 features keep the sum's gradients in fp32, so the
+    loss's gradients stay finite and right."""
+    B, D = 2048, 4
+    base = torch.nn.functional.normalize(torch.tensor([[1.0, 0.5, -0.25, 0.125]], dtype=torch.float64), dim=1)
+    wiggle = 1e-3 * torch.linspace(-1, 1, B * D, dtype=torch.float64).reshape(B, D)
+    image = torch.nn.functional.normalize(base + wiggle, dim=1).half()
+    text = torch.nn.functional.normalize(base - wiggle, dim=1).half()
+    scale, bias = torch.tensor(100.0), torch.tensor(0.0)
+    img, txt = image.clone().requires_grad_(), text.clone().requires_grad_()
+    siglip_loss(img, txt, scale, bias).backward()
+    ref_img, ref_txt = image.double().requires_grad_(), text.double().requires_grad_()
+    siglip_loss_reference(ref_img, ref_txt, scale.double(), bias.double()).backward()
+    for got, ref in ((img.grad, ref_img.grad), (txt.grad, ref_txt.grad)):
+        assert got.dtype == torch.float16 and torch.isfinite(got).all()
+        assert ref.abs().max() > 50  # large, but far inside fp16's range
+        torch.testing.assert_close(got.double(), ref, rtol=2e-3, atol=2e-3 * ref.abs().max().item())
+
+
 def test_gradcheck():
     rows, cols = features(7, 3, torch.float64, seed=6), features(300, 3, torch.float64, seed=7)
     for bias in (None, -2.0):

@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <utility>
 
 namespace clipshard::chunked {
@@ -78,20 +79,22 @@ void for_each_chunk(const at::Tensor& rows, const at::Tensor& cols, int64_t kc, 
 // gradient of the loss with respect to chunk.dots (the logit scale applied), times a power-of-two
 // prescale when the caller uses one. The driver accumulates grad_rows = sum_chunks dlogits @
 // cols_chunk and grad_cols[chunk] = dlogits^T @ rows, multiplies both by `unscale` (a 0-dim fp32
-// tensor, 1 / prescale; undefined for none) and returns them in rows' dtype.
+// tensor, 1 / prescale; undefined for none) and returns them in out_dtype (default: rows' dtype).
 template <class FillGrad>
 std::pair<at::Tensor, at::Tensor> chunked_gradients(const at::Tensor& rows, const at::Tensor& cols, int64_t kc,
                                                     at::ScalarType grad_dtype, const at::Tensor& unscale,
-                                                    FillGrad&& fill_grad) {
+                                                    FillGrad&& fill_grad,
+                                                    std::optional<at::ScalarType> out_dtype = std::nullopt) {
   const int64_t M = rows.size(0), K = cols.size(0), D = rows.size(1);
   const auto acc = accumulate_type(rows.scalar_type());
+  const auto out = out_dtype.value_or(rows.scalar_type());
   const int64_t width_max = std::min(kc, K);
   const at::Tensor grad_workspace = at::empty({M * width_max}, rows.options().dtype(grad_dtype));
   at::Tensor grad_rows = at::zeros({M, D}, rows.options().dtype(acc));
-  at::Tensor grad_cols = at::empty({K, D}, rows.options());
+  at::Tensor grad_cols = at::empty({K, D}, rows.options().dtype(out));
   // grad_cols chunks go straight into the output when no conversion or unscaling is needed; else
   // through an fp32 chunk buffer (16-bit outputs are then rounded once, from fp32).
-  const bool direct = !unscale.defined() && grad_dtype == rows.scalar_type() && grad_dtype == acc;
+  const bool direct = !unscale.defined() && grad_dtype == acc && out == acc;
   const at::Tensor cols_buffer = direct ? at::Tensor() : at::empty({width_max * D}, rows.options().dtype(acc));
   // 16-bit dlogits before torch 2.12, whose addmm.dtype_out refuses an fp32 accumulator with 16-bit
   // factors: the rows' gradient of a chunk goes through an fp32 M x D buffer and is then added (the
@@ -111,18 +114,18 @@ std::pair<at::Tensor, at::Tensor> chunked_gradients(const at::Tensor& rows, cons
       mm_into(chunk_rows, dlogits, cols_chunk);
       grad_rows.add_(chunk_rows);
     }
-    at::Tensor out = grad_cols.narrow(0, chunk.begin, chunk.width);
+    at::Tensor cols_out = grad_cols.narrow(0, chunk.begin, chunk.width);
     if (direct) {
-      at::mm_out(out, dlogits.t(), rows);
+      at::mm_out(cols_out, dlogits.t(), rows);
       return;
     }
     at::Tensor buffer = workspace_view(cols_buffer, chunk.width, D);
     mm_into(buffer, dlogits.t(), rows);
     if (unscale.defined()) buffer.mul_(unscale);
-    out.copy_(buffer);
+    cols_out.copy_(buffer);
   });
   if (unscale.defined()) grad_rows.mul_(unscale);
-  return {grad_rows.to(rows.scalar_type()), grad_cols};
+  return {grad_rows.to(out), grad_cols};
 }
 
 }  // namespace clipshard::chunked

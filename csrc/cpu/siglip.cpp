@@ -167,8 +167,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> siglip_fo
                                                                              at::Tensor& dlogits) {
       fold_chunk<scalar_t, true>(c, chunk, dlogits.data_ptr<scalar_t>());
     });
-    grad_rows = grads.first.to(rows.scalar_type());
-    grad_cols = grads.second.to(cols.scalar_type());
+    grad_rows = grads.first.to(siglip_saved_grad_dtype(rows.scalar_type()));
+    grad_cols = grads.second.to(siglip_saved_grad_dtype(cols.scalar_type()));
   });
   const at::Tensor loss_sum = at::scalar_tensor(sum_in_order(loss), A.options());
   if (!with_grad) {

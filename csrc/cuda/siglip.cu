@@ -82,11 +82,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> siglip_forward_cuda(
     const Tensor unscale = scales.defined() ? scales[1] : Tensor();
     dispatch_features(grad_dtype, [&](auto dl_type) {
       using DL = decltype(dl_type);
-      auto grads = chunked::chunked_gradients(rows, cols, kc, grad_dtype, unscale,
-                                              [&](const chunked::Chunk& chunk, Tensor& dlogits) {
-                                                launch<DL, true>(chunk, dlogits.data_ptr<DL>(), pos_offset, scale,
-                                                                 bias, prescale, accumulators);
-                                              });
+      auto grads = chunked::chunked_gradients(
+          rows, cols, kc, grad_dtype, unscale,
+          [&](const chunked::Chunk& chunk, Tensor& dlogits) {
+            launch<DL, true>(chunk, dlogits.data_ptr<DL>(), pos_offset, scale, bias, prescale, accumulators);
+          },
+          siglip_saved_grad_dtype(grad_dtype));
       grad_rows = grads.first;
       grad_cols = grads.second;
     });
