@@ -28,15 +28,15 @@ def _modes(local_loss, gather_with_grad):
     return ["exchange", "local"]
 
 
-def _open_clip_loss_class():
-    """open_clip's ClipLoss, loaded from its loss.py alone (importing the package pulls in every
-    model and takes seconds per process)."""
+def _open_clip_loss_class(name="ClipLoss"):
+    """One of open_clip's loss classes, loaded from its loss.py alone (importing the package pulls
+    in every model and takes seconds per process)."""
     spec = importlib.util.find_spec("open_clip")
     path = os.path.join(spec.submodule_search_locations[0], "loss.py")
     module_spec = importlib.util.spec_from_file_location("open_clip_loss_module", path)
     module = importlib.util.module_from_spec(module_spec)
     module_spec.loader.exec_module(module)
-    return module.ClipLoss
+    return getattr(module, name)
 
 
 def _global_batch(total, dim, seed):

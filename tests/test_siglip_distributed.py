@@ -7,8 +7,6 @@ all give a rank the gradient of sum_q g_q * L_q with respect to its own features
 part in every rank's loss; g_q is rank q's upstream gradient) and the gradient of its own g_r * L_r
 with respect to logit_scale and logit_bias; clipshard must match both, per rank.
 """
-import importlib.util
-import os
 import warnings
 
 import pytest
@@ -18,7 +16,7 @@ import torch.distributed as dist
 import clipshard
 from clipshard.reference import siglip_loss_rank_reference
 from dist_utils import report_worst, run_group
-from test_distributed import _global_batch, _max_rel, _run_loss
+from test_distributed import _global_batch, _max_rel, _open_clip_loss_class, _run_loss
 
 DIST_IMPLS = [None, "bidir", "shift", "reduce", "gather"]
 NAMES = ["loss", "image", "text", "scale", "bias"]
@@ -26,20 +24,9 @@ NAMES = ["loss", "image", "text", "scale", "bias"]
 TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-3, 3e-2), torch.float16: (2e-3, 1e-2)}
 
 
-def _open_clip_siglip_class():
-    """open_clip's SigLipLoss, loaded from its loss.py alone (importing the package pulls in every
-    model and takes seconds per process)."""
-    spec = importlib.util.find_spec("open_clip")
-    path = os.path.join(spec.submodule_search_locations[0], "loss.py")
-    module_spec = importlib.util.spec_from_file_location("open_clip_loss_module", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module.SigLipLoss
-
-
 def _compare_rank(rank, world_size, sizes, dtype, seed, scale_value, bias_value, check_open_clip):
     """Every dist_impl on one global batch; returns the largest differences seen."""
-    open_clip_loss = _open_clip_siglip_class()
+    open_clip_loss = _open_clip_loss_class("SigLipLoss")
     image64, text64 = _global_batch(sum(sizes), 11, seed)
     offset = sum(sizes[:rank])
     local = slice(offset, offset + sizes[rank])

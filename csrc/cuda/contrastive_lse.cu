@@ -119,8 +119,9 @@ void launch_backward(const k::BackwardParams<T>& p, bool mma, cudaStream_t strea
 // The fused tile kernels' forward (rows, cols contiguous; scale_f, bias_f fp32 on the device).
 std::tuple<Tensor, Tensor, Tensor> fused_forward(const Tensor& rows, const Tensor& cols, const Tensor& scale_f,
                                                  const Tensor& bias_f, int64_t pos_offset, bool want_col_lse,
-                                                 cudaStream_t stream, const at::TensorOptions& fopts, int64_t M,
-                                                 int64_t K, int64_t D) {
+                                                 cudaStream_t stream) {
+  const int64_t M = rows.size(0), K = cols.size(0), D = rows.size(1);
+  const auto fopts = rows.options().dtype(at::kFloat);
   Tensor row_lse = at::empty({M}, fopts), pos_logit = at::empty({M}, fopts);
   Tensor col_lse = at::empty({want_col_lse ? K : 0}, fopts);
 
@@ -159,8 +160,6 @@ std::tuple<Tensor, Tensor, Tensor> contrastive_lse_forward_cuda(
   const bool chunked = parse_algorithm(fn, algorithm) == Algorithm::kChunked;
   c10::cuda::CUDAGuard guard(rows.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const int64_t M = rows.size(0), K = cols.size(0), D = rows.size(1);
-  const auto fopts = rows.options().dtype(at::kFloat);
   const Tensor scale_f = scale.to(at::kFloat);
   const Tensor bias_f = bias.has_value() ? bias->to(at::kFloat) : Tensor();
   if (chunked) {  // the bias moves every output by the same amount
@@ -173,8 +172,7 @@ std::tuple<Tensor, Tensor, Tensor> contrastive_lse_forward_cuda(
     }
     return {row_lse, pos_logit, col_lse};
   }
-  return fused_forward(rows.contiguous(), cols.contiguous(), scale_f, bias_f, pos_offset, want_col_lse, stream, fopts,
-                       M, K, D);
+  return fused_forward(rows.contiguous(), cols.contiguous(), scale_f, bias_f, pos_offset, want_col_lse, stream);
 }
 
 // The fused tile kernels' backward: (d rows, d cols) in the features' dtype and the (d scale,

@@ -18,8 +18,8 @@
 // chose it): v from 1e-16 to 1e8 becomes 1e-4 .. 1e2, well inside fp16's normal range.
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 
+#include "clipshard/float_bits.h"
 #include "clipshard/macros.h"
 #include "clipshard/stochastic_rounding.h"
 
@@ -63,24 +63,6 @@ CLIPSHARD_HOST_DEVICE float fsqrt(float a) {
 #endif
 }
 
-CLIPSHARD_HOST_DEVICE uint32_t float_to_bits(float x) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
-#else
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof(bits));
-  return bits;
-#endif
-}
-CLIPSHARD_HOST_DEVICE float bits_to_float(uint32_t bits) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(bits);
-#else
-  float x;
-  std::memcpy(&x, &bits, sizeof(x));
-  return x;
-#endif
-}
 
 // Scalars of one AdamW call (one param group); the per-tensor bias corrections come separately.
 struct AdamWHyper {

@@ -11,34 +11,13 @@
 // The fp32 versions are written as straight-line selects and polynomials (no library calls, no
 // branches), so that a CPU loop over them vectorises; the fp64 versions call the C library and serve
 // gradcheck and the fp64 kernels.
-#include <cstdint>
-#include <cstring>
 #include <cmath>
+#include <cstdint>
 
+#include "clipshard/float_bits.h"
 #include "clipshard/macros.h"
 
 namespace clipshard {
-
-// Bit patterns <-> floats.
-CLIPSHARD_HOST_DEVICE float siglip_float_from_bits(int32_t bits) {
-#if defined(__CUDA_ARCH__)
-  return __int_as_float(bits);
-#else
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-#endif
-}
-
-CLIPSHARD_HOST_DEVICE int32_t siglip_bits_of(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_int(f);
-#else
-  int32_t bits;
-  std::memcpy(&bits, &f, sizeof bits);
-  return bits;
-#endif
-}
 
 // exp(-a) for a >= 0 (NaN allowed: the result is then meaningless and the caller overrides it).
 // a = n ln2 + r with |r| <= ln2/2 (Cody-Waite split of ln2) and exp(-a) = 2^-n * exp(-r), exp(-r)
@@ -52,7 +31,7 @@ CLIPSHARD_HOST_DEVICE float siglip_exp_neg(float a) {
   a = a < 104.0f ? a : 104.0f;           // NaN -> 104 as well
   const float shifted = a * 1.44269504089f + kRound;
   const float nf = shifted - kRound;
-  const int32_t n = siglip_bits_of(shifted) - siglip_bits_of(kRound);  // 0 <= n <= 150
+  const int32_t n = static_cast<int32_t>(float_to_bits(shifted) - float_to_bits(kRound));  // 0 <= n <= 150
   const float x = nf * 0.693145751953125f - a + nf * 1.42860682030941723e-06f;  // -r: ln2 = hi + lo
   float p = 1.0f / 5040.0f;
   p = p * x + 1.0f / 720.0f;
@@ -63,7 +42,8 @@ CLIPSHARD_HOST_DEVICE float siglip_exp_neg(float a) {
   p = p * x + 1.0f;
   p = p * x + 1.0f;
   const int32_t n_half = n >> 1;
-  return p * siglip_float_from_bits((127 - n_half) << 23) * siglip_float_from_bits((127 - (n - n_half)) << 23);
+  return p * bits_to_float(static_cast<uint32_t>(127 - n_half) << 23) *
+         bits_to_float(static_cast<uint32_t>(127 - (n - n_half)) << 23);
 }
 
 // log1p(e) for 0 <= e <= 1: log(1 + e) = 2 atanh(s), s = e / (2 + e) <= 1/3, by the atanh series
