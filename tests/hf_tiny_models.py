@@ -78,3 +78,11 @@ def tiny_inputs(name, batch, seed):
 def rows(inputs, start, stop):
     """The inputs of pairs start..stop-1."""
     return {k: v[start:stop] for k, v in inputs.items()}
+
+
+def gradient_errors(got, want):
+    """{parameter: max |got - want| relative to max |want|} for two dicts of gradients. Gradients that
+    are zero in exact arithmetic (attention's key bias) are measured against 1% of the model's largest
+    gradient instead, so that their rounding noise is not divided by (nearly) zero."""
+    floor = 1e-2 * max(g.abs().max() for g in want.values())
+    return {name: ((got[name] - w).abs().max() / w.abs().max().clamp_min(floor)).item() for name, w in want.items()}
