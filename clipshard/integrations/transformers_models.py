@@ -78,12 +78,9 @@ def _normalise(entry, features):
 
 def embeddings(model, entry, arguments):
     """(image_embeds, text_embeds, vision_model_output, text_model_output) as the forward of `entry`'s
-    class computes them from its bound `arguments` (a dict of forward argument -> value), without
+    class computes them from its keyword `arguments` (without return_loss and return_dict), without
     building the logits."""
     shared = {k: v for k, v in arguments.items() if k not in IMAGE_ARGS + TEXT_ARGS}
-    shared.pop("kwargs", None)
-    shared.update(arguments.get("kwargs", {}))
-    shared.pop("return_dict", None)  # the caller decides the output's form
     image_args = {k: arguments[k] for k in IMAGE_ARGS if k in arguments}
     text_args = {k: arguments[k] for k in TEXT_ARGS if k in arguments}
     vision_output = model.get_image_features(**image_args, **shared, return_dict=True)

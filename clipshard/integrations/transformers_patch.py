@@ -45,12 +45,12 @@ def _with_global_loss(original, entry, logits):
         arguments = signature.bind(self, *args, **kwargs).arguments
         if not arguments.get("return_loss"):
             return original(self, *args, **kwargs)
-        return_dict = arguments.pop("return_dict", arguments.get("kwargs", {}).pop("return_dict", None))
+        arguments = _keywords(arguments)
+        return_dict = arguments.pop("return_dict", None)
         if return_dict is None:
             return_dict = getattr(self.config, "return_dict", True)
-        del arguments["self"], arguments["return_loss"]
         if logits:
-            output = original(self, **_flatten(arguments), return_loss=False, return_dict=True)
+            output = original(self, **arguments, return_loss=False, return_dict=True)
             fields = dict(output.items())
             image, text = output.image_embeds, output.text_embeds
         else:
@@ -66,9 +66,10 @@ def _with_global_loss(original, entry, logits):
     return forward
 
 
-def _flatten(arguments):
-    """Bound arguments back into keyword arguments (the **kwargs of the forward spread out)."""
-    flat = {k: v for k, v in arguments.items() if k != "kwargs"}
+def _keywords(arguments):
+    """The forward's bound arguments as keyword arguments (its **kwargs spread out), without self
+    and return_loss."""
+    flat = {k: v for k, v in arguments.items() if k not in ("self", "return_loss", "kwargs")}
     flat.update(arguments.get("kwargs", {}))
     return flat
 
