@@ -113,7 +113,8 @@ def train(run, args, data, world_size):
                 output_dir=out, per_device_train_batch_size=args.batch_size // world_size, max_steps=args.steps,
                 learning_rate=args.lr, warmup_steps=10, lr_scheduler_type="cosine", weight_decay=0.1,
                 logging_steps=max(1, args.steps // 5), seed=args.seed, use_cpu=True, report_to=[],
-                save_strategy="no", disable_tqdm=True, remove_unused_columns=False, train_sampling_strategy="sequential",
+                save_strategy="no", disable_tqdm=True, remove_unused_columns=False,
+                train_sampling_strategy="sequential",
                 ddp_find_unused_parameters=False, dataloader_num_workers=0, bf16=args.bf16,
                 gradient_checkpointing=args.gradient_checkpointing,
                 gradient_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None)

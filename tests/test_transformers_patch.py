@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install '.[transformers]'")
+transformers = pytest.importorskip("transformers",
+                                   reason="transformers is not installed: pip install '.[transformers]'")
 
 import clipshard  # noqa: E402
 from clipshard.integrations import transformers_loss, transformers_patch  # noqa: E402
@@ -218,7 +219,7 @@ print(sorted(n for n in sys.modules if n.startswith("clipshard.integrations")))
     assert out == ["[]"]
 
 
-def _imports(path, package):
+def _imports(path):
     """The clipshard modules a file imports, at any depth (function-level imports included)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
@@ -236,7 +237,7 @@ def test_no_import_cycle_between_clipshard_modules():
         parts = path.relative_to(ROOT.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         modules[name] = path
-    graph = {name: {m for m in _imports(path, name) if m in modules and m != "clipshard"}
+    graph = {name: {m for m in _imports(path) if m in modules and m != "clipshard"}
              for name, path in modules.items() if name != "clipshard"}
     assert "clipshard.integrations.coca_loss" in graph and "clipshard.integrations.open_clip_patch" in graph
     state = {}

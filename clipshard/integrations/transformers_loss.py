@@ -19,8 +19,8 @@ Without torch.distributed (or with one rank) it is clipshard's fused single-devi
 import torch
 import torch.distributed as dist
 
-from clipshard.integrations.transformers_models import (
-    CLIP, SIGLIP, covered_entry, logit_scale_and_bias, unwrap, COVERED)
+from clipshard.integrations.transformers_models import (CLIP, COVERED, SIGLIP, covered_entry,
+                                                        logit_scale_and_bias, unwrap)
 from clipshard.loss import clip_loss
 from clipshard.siglip import siglip_loss
 

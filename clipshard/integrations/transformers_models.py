@@ -46,11 +46,12 @@ COVERED = (
     Covered("Siglip2Model", _M + "siglip2.modeling_siglip2", SIGLIP, "Siglip2Output"),
 )
 
-# transformers 5.23's other models whose forward takes return_loss: their losses differ (captioning,
-# grouping, detection, audio, video, multiple modalities) or they add terms, so they keep their own.
-NOT_COVERED = ("AlignModel", "Aimv2Model", "BlipModel", "Blip2ForImageTextRetrieval", "BridgeTowerForContrastiveLearning",
-               "ClapModel", "CLIPSegModel", "ClvpModelForConditionalGeneration", "FlavaModel", "GroupViTModel",
-               "Owlv2Model", "OwlViTModel", "XCLIPModel")
+# transformers 5.23's other models whose forward takes return_loss (found in its modeling files): their
+# losses add terms or pair other modalities, or they were not checked here, so they keep their own.
+NOT_COVERED = ("AlignModel", "BlipModel", "BridgeTowerForContrastiveLearning", "ClapModel", "CLIPSegModel",
+               "ClvpModelForConditionalGeneration", "FlavaForPreTraining", "GroupViTModel", "Owlv2Model",
+               "OwlViTModel", "PeAudioFrameLevelModel", "PeAudioModel", "PeAudioVideoModel", "PeVideoModel",
+               "Tipsv2Model", "VideoPrismClipModel", "XCLIPModel")
 
 # forward arguments that only one tower takes; everything else (output_attentions, ...) goes to both
 IMAGE_ARGS = ("pixel_values", "interpolate_pos_encoding", "pixel_attention_mask", "spatial_shapes")
