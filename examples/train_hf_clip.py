@@ -116,8 +116,8 @@ def train(run, args, data, world_size):
                 save_strategy="no", disable_tqdm=True, remove_unused_columns=False,
                 train_sampling_strategy="sequential",
                 ddp_find_unused_parameters=False, dataloader_num_workers=0, bf16=args.bf16,
-                gradient_checkpointing=args.gradient_checkpointing,
-                gradient_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None)
+                activation_checkpointing=args.gradient_checkpointing,
+                activation_checkpointing_kwargs={"use_reentrant": False} if args.gradient_checkpointing else None)
             trainer = transformers.Trainer(model=model, args=training, data_collator=collate, optimizers=optimizers,
                                            train_dataset=DigitPairs(data, eos, args.steps, args.batch_size, args.seed))
             started = time.perf_counter()

@@ -60,8 +60,8 @@ def train(run, world_size=1):
                 learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, logging_steps=1, seed=0,
                 use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, remove_unused_columns=False,
                 train_sampling_strategy="sequential", ddp_find_unused_parameters=False, dataloader_num_workers=0,
-                bf16=recipe, gradient_checkpointing=recipe,
-                gradient_checkpointing_kwargs={"use_reentrant": False} if recipe else None)
+                bf16=recipe, activation_checkpointing=recipe,
+                activation_checkpointing_kwargs={"use_reentrant": False} if recipe else None)
             optimizers = (clipshard.optim.AdamW(model.parameters(), lr=LR), None) if recipe else (None, None)
             trainer = transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=collate,
                                            optimizers=optimizers)
