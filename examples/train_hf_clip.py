@@ -2,6 +2,7 @@
 without clipshard's global-batch loss, and compare zero-shot accuracy.
 
     torchrun --standalone --nproc_per_node 2 examples/train_hf_clip.py
+    accelerate launch --multi_gpu --num_processes 2 examples/train_hf_clip.py   (CPU ranks too)
 
 The model is built from a CLIPConfig (random initialisation: nothing is downloaded): a ViT over the
 8x8 digits in 2x2 patches and a text transformer over the captions' words (examples/clip_digits/data.py,
