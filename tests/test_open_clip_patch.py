@@ -10,8 +10,8 @@ import torch
 open_clip = pytest.importorskip("open_clip", reason="open_clip is not installed: pip install '.[open_clip]'")
 
 import clipshard  # noqa: E402
-from clipshard import open_clip_patch  # noqa: E402
-from clipshard.coca_loss import CoCaLoss  # noqa: E402
+from clipshard.integrations import open_clip_patch  # noqa: E402
+from clipshard.integrations.coca_loss import CoCaLoss  # noqa: E402
 
 ORIGINAL = {m: {n: getattr(__import__(m, fromlist=["_"]), n, None) for n in ("ClipLoss", "CoCaLoss")}
             for m in open_clip_patch.MODULES}

@@ -9,7 +9,7 @@ import torch
 open_clip = pytest.importorskip("open_clip", reason="open_clip is not installed: pip install '.[open_clip]'")
 
 import clipshard  # noqa: E402
-from clipshard.open_clip_text_tower import HalfTextCLIP, HalfTextCustomTextCLIP  # noqa: E402
+from clipshard.integrations.open_clip_text_tower import HalfTextCLIP, HalfTextCustomTextCLIP  # noqa: E402
 
 VISION = {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8}
 TEXT = {"context_length": 16, "vocab_size": 500, "width": 32, "heads": 2, "layers": 2}

@@ -18,7 +18,7 @@ pytest.importorskip("open_clip_train.main", reason="open_clip_train or its data 
                                                    "braceexpand) are missing: pip install '.[open_clip]'")
 from PIL import Image, ImageDraw  # noqa: E402  (a dependency of open_clip's transforms)
 
-from clipshard.open_clip_train import main as clipshard_train_main, parse_clipshard_args  # noqa: E402
+from clipshard.integrations.open_clip_train import main as clipshard_train_main, parse_clipshard_args  # noqa: E402
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)

@@ -3,7 +3,7 @@ caption term. Needs open_clip (the caption term is an instance of open_clip's Co
 import torch
 
 from clipshard.loss import ClipLoss
-from clipshard.open_clip_patch import original_class
+from clipshard.integrations.open_clip_common import original_class
 
 
 class CoCaLoss(ClipLoss):

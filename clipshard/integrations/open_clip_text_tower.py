@@ -8,7 +8,7 @@ docs/open_clip.md.
 import torch
 import torch.nn.functional as F
 
-from clipshard.open_clip_patch import import_open_clip
+from clipshard.integrations.open_clip_common import import_open_clip
 from clipshard.optim import to_half_precision_
 
 _FN = "text_tower_to_half_precision_"

@@ -3,7 +3,7 @@
 open_clip's `create_loss` (and so open_clip_train) finds the classes in `open_clip.factory`; users
 find them in `open_clip` and `open_clip.loss`. The patch replaces the names of `_replacements()` in
 all three, records what it replaced and what it left as open_clip's, and can be undone.
-docs/open_clip.md.
+SUPPORTED_VERSIONS and import_open_clip live in open_clip_common. docs/open_clip.md.
 """
 import dataclasses
 import importlib
@@ -11,36 +11,23 @@ import logging
 
 import torch
 
+from clipshard.integrations.coca_loss import CoCaLoss
+from clipshard.integrations.open_clip_common import ORIGINALS, import_open_clip
+from clipshard.loss import ClipLoss
+from clipshard.siglip import SigLipLoss
+
 _LOG = logging.getLogger("clipshard")
 _FN = "clipshard.apply_to_open_clip"
-SUPPORTED_VERSIONS = ("3.3",)  # open_clip_torch major.minor versions tested against
 MODULES = ("open_clip", "open_clip.loss", "open_clip.factory")  # where open_clip's loss classes are looked up
 
 
 def _replacements():
     """open_clip class name -> clipshard class, one line per loss."""
-    from clipshard.coca_loss import CoCaLoss
-    from clipshard.loss import ClipLoss
-    from clipshard.siglip import SigLipLoss
     return {
         "ClipLoss": ClipLoss,
         "CoCaLoss": CoCaLoss,
         "SigLipLoss": SigLipLoss,
     }
-
-
-def import_open_clip(fn=_FN):
-    """open_clip, checked to be a supported version; a clear ImportError otherwise."""
-    try:
-        open_clip = importlib.import_module("open_clip")
-    except ImportError as e:
-        raise ImportError(f"{fn}: open_clip is not installed ({e}); install clipshard with its extra, "
-                          "pip install 'clipshard[open_clip]' (open_clip_torch 3.3.x)") from e
-    version = getattr(open_clip, "__version__", "unknown")
-    if ".".join(version.split(".")[:2]) not in SUPPORTED_VERSIONS:
-        raise ImportError(f"{fn}: open_clip_torch {version} is not supported; clipshard supports "
-                          f"{', '.join(v + '.x' for v in SUPPORTED_VERSIONS)}")
-    return open_clip
 
 
 @dataclasses.dataclass
@@ -60,6 +47,7 @@ class OpenClipPatch:
         for (module_name, name), original in self.originals.items():
             setattr(importlib.import_module(module_name), name, original)
         self.active = False
+        ORIGINALS.clear()
         if _active is self:
             _active = None
         _LOG.info("clipshard: open_clip's loss classes restored (%s)", ", ".join(self.replaced))
@@ -70,13 +58,6 @@ class OpenClipPatch:
 
 
 _active = None
-
-
-def original_class(name):
-    """open_clip's own class `name` from open_clip.loss, whether or not the patch is applied."""
-    if _active is not None and ("open_clip.loss", name) in _active.originals:
-        return _active.originals[("open_clip.loss", name)]
-    return getattr(import_open_clip("clipshard.open_clip_patch.original_class").loss, name)
 
 
 def _open_clip_losses(loss_module):
@@ -98,7 +79,7 @@ def apply_to_open_clip():
     global _active
     if _active is not None:
         return _active
-    open_clip = import_open_clip()
+    open_clip = import_open_clip(_FN)
     replacements = _replacements()
     originals = {}
     for module_name in MODULES:
@@ -113,6 +94,7 @@ def apply_to_open_clip():
     kept = tuple(n for n in _open_clip_losses(open_clip.loss) if n not in replacements)
     for (module_name, name) in originals:
         setattr(importlib.import_module(module_name), name, replacements[name])
+    ORIGINALS.update({name: cls for (module_name, name), cls in originals.items() if module_name == "open_clip.loss"})
     _active = OpenClipPatch(replaced=replacements, kept=kept, originals=originals)
     _LOG.info("clipshard: %s", _active.summary())
     return _active

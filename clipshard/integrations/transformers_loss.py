@@ -1,0 +1,90 @@
+"""The global-batch loss of a Hugging Face CLIP- or SigLIP-family model, for Trainer (through
+apply_to_transformers) and for users' own loops (loss_from_output, loss_from_embeddings).
+
+Rank r of N holds M_r pairs, M = sum_q M_q in all. Its loss is
+
+    w_r * L_r,   w_r = N * M_r / M,
+
+where L_r is clipshard's per-rank loss over the global batch: ClipLoss(local_loss=True,
+gather_with_grad=True), i.e. (sum of the row LSE terms of its M_r images + of the column LSE terms of
+its M_r texts over all M columns / rows) / (2 M_r), or siglip_loss (its images against all M texts,
+divided by M_r). Both send each rank the gradient of sum_q w_q L_q with respect to its own features
+(the backward of the all-gather is a reduce-scatter), so after DDP's average over the N ranks every
+parameter's gradient is that of (1/N) sum_q w_q L_q = sum_q M_q L_q / M, which is exactly the model's
+own loss on the concatenated global batch (docs/transformers.md derives it). With equal batches
+w_r = 1. The mean of the ranks' losses, which Trainer logs, is that global loss too.
+
+Without torch.distributed (or with one rank) it is clipshard's fused single-device loss.
+"""
+import torch
+import torch.distributed as dist
+
+from clipshard.integrations.transformers_models import (CLIP, COVERED, SIGLIP, covered_entry,
+                                                        logit_scale_and_bias, unwrap)
+from clipshard.loss import clip_loss
+from clipshard.siglip import siglip_loss
+
+
+def _entry(fn, model):
+    entry = covered_entry(model)
+    if entry is None:
+        names = ", ".join(e.name for e in COVERED)
+        raise TypeError(f"{fn}: model must be one of transformers' {names} (or a subclass), got "
+                        f"{type(model).__module__}.{type(model).__qualname__}")
+    return entry
+
+
+def _active_group(group):
+    if group is not None:
+        return group
+    return dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+
+
+def _rank_weight(local_size, device, group):
+    """w_r = N * M_r / M (a Python float): one all-reduce of one number."""
+    world_size = dist.get_world_size(group)
+    on = torch.device("cpu") if dist.get_backend(group) == "gloo" else device
+    total = torch.tensor([local_size], dtype=torch.float64, device=on)
+    dist.all_reduce(total, group=group)
+    return world_size * local_size / total.item()
+
+
+def global_batch_loss(family, image_embeds, text_embeds, logit_scale, logit_bias=None, *, group=None):
+    """The loss of the module docstring from normalised embeddings and the already exponentiated
+    logit_scale (and SigLIP's logit_bias). family: "clip" or "siglip". group: the process group
+    (default: the world group when torch.distributed is initialised, else one device)."""
+    if family not in (CLIP, SIGLIP):
+        raise ValueError(f"global_batch_loss: family must be 'clip' or 'siglip', got {family!r}")
+    if image_embeds.dtype != text_embeds.dtype:  # e.g. one tower left in fp32 under autocast
+        dtype = torch.promote_types(image_embeds.dtype, text_embeds.dtype)
+        image_embeds, text_embeds = image_embeds.to(dtype), text_embeds.to(dtype)
+    group = _active_group(group)
+    if family == SIGLIP:
+        loss = siglip_loss(image_embeds, text_embeds, logit_scale, logit_bias, group=group)
+    else:
+        loss = clip_loss(image_embeds, text_embeds, logit_scale, logit_bias, local_loss=True,
+                         gather_with_grad=True, group=group)
+    if group is None or dist.get_world_size(group) == 1:
+        return loss
+    return loss * _rank_weight(image_embeds.shape[0], image_embeds.device, group)
+
+
+def loss_from_embeddings(model, image_embeds, text_embeds, *, group=None):
+    """The global-batch loss of `model` (a covered transformers model, or DDP around one) for this
+    rank's normalised embeddings (the `image_embeds` / `text_embeds` its forward returns), with the
+    model's own logit_scale.exp() (and logit_bias for SigLIP). Every rank must call it."""
+    model = unwrap(model)
+    entry = _entry("loss_from_embeddings", model)
+    scale, bias = logit_scale_and_bias(model, entry, image_embeds.device)
+    return global_batch_loss(entry.family, image_embeds, text_embeds, scale, bias, group=group)
+
+
+def loss_from_output(model, output, *, group=None):
+    """loss_from_embeddings for a model output (the ModelOutput of `model(...)`, with its
+    image_embeds and text_embeds): call the model with return_loss=False, then this, in your own
+    loop: loss = loss_from_output(model, model(**batch)); loss.backward()."""
+    for name in ("image_embeds", "text_embeds"):
+        if getattr(output, name, None) is None:
+            raise ValueError(f"loss_from_output: output has no {name}; pass the ModelOutput the model returns "
+                             "(return_dict=True)")
+    return loss_from_embeddings(model, output.image_embeds, output.text_embeds, group=group)

@@ -1,0 +1,106 @@
+"""Which Hugging Face transformers models clipshard covers, and how each computes its embeddings.
+
+Every covered model's forward does the same thing (transformers 5.23): the projected, pooled
+embeddings of each tower, each divided by its L2 norm, then logits = logit_scale.exp() * text @ image^T
+(+ logit_bias for SigLIP), then `return_loss=True` takes the loss of the local logits: the mean of the
+two cross-entropies (CLIP family) or the mean over rows of the summed -log sigmoid (SigLIP family).
+This module names the classes, their family and their output class, and computes the normalised
+embeddings the way the forward does, without the logits (for apply_to_transformers(logits=False)).
+docs/transformers.md.
+"""
+import dataclasses
+import importlib
+import sys
+
+import torch
+
+SUPPORTED_VERSIONS = ("5.23",)  # transformers major.minor versions tested against
+CLIP, SIGLIP = "clip", "siglip"
+
+
+@dataclasses.dataclass(frozen=True)
+class Covered:
+    """One covered model class: where it lives, which loss it computes, which output class it returns."""
+    name: str
+    module: str
+    family: str
+    output: str
+    output_module: str = ""  # where the output class lives, if not in `module`
+
+    def model_class(self):
+        return getattr(importlib.import_module(self.module), self.name)
+
+    def output_class(self):
+        return getattr(importlib.import_module(self.output_module or self.module), self.output)
+
+
+_M = "transformers.models."
+COVERED = (
+    Covered("CLIPModel", _M + "clip.modeling_clip", CLIP, "CLIPOutput"),
+    Covered("MetaClip2Model", _M + "metaclip_2.modeling_metaclip_2", CLIP, "MetaClip2Output"),
+    Covered("ChineseCLIPModel", _M + "chinese_clip.modeling_chinese_clip", CLIP, "ChineseCLIPOutput"),
+    Covered("AltCLIPModel", _M + "altclip.modeling_altclip", CLIP, "AltCLIPOutput"),
+    Covered("VisionTextDualEncoderModel", _M + "vision_text_dual_encoder.modeling_vision_text_dual_encoder", CLIP,
+            "CLIPOutput", _M + "clip.modeling_clip"),
+    Covered("SiglipModel", _M + "siglip.modeling_siglip", SIGLIP, "SiglipOutput"),
+    Covered("Siglip2Model", _M + "siglip2.modeling_siglip2", SIGLIP, "Siglip2Output"),
+)
+
+# transformers 5.23's other models whose forward takes return_loss (found in its modeling files): their
+# losses add terms or pair other modalities, or they were not checked here, so they keep their own.
+NOT_COVERED = ("AlignModel", "BlipModel", "BridgeTowerForContrastiveLearning", "ClapModel", "CLIPSegModel",
+               "ClvpModelForConditionalGeneration", "FlavaForPreTraining", "GroupViTModel", "Owlv2Model",
+               "OwlViTModel", "PeAudioFrameLevelModel", "PeAudioModel", "PeAudioVideoModel", "PeVideoModel",
+               "Tipsv2Model", "VideoPrismClipModel", "XCLIPModel")
+
+# forward arguments that only one tower takes; everything else (output_attentions, ...) goes to both
+IMAGE_ARGS = ("pixel_values", "interpolate_pos_encoding", "pixel_attention_mask", "spatial_shapes")
+TEXT_ARGS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+
+
+def covered_entry(model_or_class):
+    """The Covered entry of a model (or model class), looking through subclasses; None if not covered."""
+    cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
+    for base in cls.__mro__:
+        for entry in COVERED:
+            if base.__name__ == entry.name and base.__module__ == entry.module:
+                return entry
+    return None
+
+
+def _normalise(entry, features):
+    """features / ||features||, computed as the model's forward computes it (the CLIP family's
+    modules use their own _get_vector_norm, the others Tensor.norm)."""
+    vector_norm = getattr(sys.modules[entry.model_class().__module__], "_get_vector_norm", None)
+    if vector_norm is not None:
+        return features / vector_norm(features)
+    return features / features.norm(p=2, dim=-1, keepdim=True)
+
+
+def embeddings(model, entry, arguments):
+    """(image_embeds, text_embeds, vision_model_output, text_model_output) as the forward of `entry`'s
+    class computes them from its keyword `arguments` (without return_loss and return_dict), without
+    building the logits."""
+    shared = {k: v for k, v in arguments.items() if k not in IMAGE_ARGS + TEXT_ARGS}
+    image_args = {k: arguments[k] for k in IMAGE_ARGS if k in arguments}
+    text_args = {k: arguments[k] for k in TEXT_ARGS if k in arguments}
+    vision_output = model.get_image_features(**image_args, **shared, return_dict=True)
+    text_output = model.get_text_features(**text_args, **shared, return_dict=True)
+    image = _normalise(entry, vision_output.pooler_output)
+    text = _normalise(entry, text_output.pooler_output)
+    return image, text, vision_output, text_output
+
+
+def logit_scale_and_bias(model, entry, device):
+    """What the forward multiplies (logit_scale.exp()) and adds (SigLIP's logit_bias) to the cosine
+    similarities, on `device`."""
+    scale = model.logit_scale.to(device).exp()
+    bias = model.logit_bias.to(device) if entry.family == SIGLIP else None
+    return scale, bias
+
+
+def unwrap(model):
+    """The model inside DistributedDataParallel (what Trainer and accelerate wrap it in)."""
+    while isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        model = model.module
+    return model

@@ -1,0 +1,158 @@
+"""`apply_to_transformers()`: the CLIP- and SigLIP-family models of Hugging Face transformers compute
+clipshard's global-batch loss when called with return_loss=True.
+
+The patch point is each covered class's `forward` (transformers_models.COVERED): the module-level
+loss functions (`image_text_contrastive_loss`) only see the local logits, from which no global loss
+can be computed, and SigLIP's loss is written inline. The patched forward runs the model's own
+forward with return_loss=False (so the towers, the normalisation, logit_scale.exp() and the logits
+stay the model's code) and adds transformers_loss's loss of the embeddings it returns; with
+logits=False it computes the same embeddings without the M x M logits. Undo puts each class's own
+forward function object back. docs/transformers.md.
+"""
+import dataclasses
+import functools
+import importlib
+import inspect
+import logging
+
+from clipshard.integrations import transformers_models as models
+from clipshard.integrations.transformers_loss import global_batch_loss
+
+_LOG = logging.getLogger("clipshard")
+_FN = "clipshard.apply_to_transformers"
+
+
+def import_transformers(fn=_FN):
+    """transformers, checked to be a supported version; a clear ImportError otherwise."""
+    try:
+        transformers = importlib.import_module("transformers")
+    except ImportError as e:
+        raise ImportError(f"{fn}: transformers is not installed ({e}); install clipshard with its extra, "
+                          "pip install 'clipshard[transformers]' (transformers 5.23.x)") from e
+    version = getattr(transformers, "__version__", "unknown")
+    if ".".join(version.split(".")[:2]) not in models.SUPPORTED_VERSIONS:
+        raise ImportError(f"{fn}: transformers {version} is not supported; clipshard supports "
+                          f"{', '.join(v + '.x' for v in models.SUPPORTED_VERSIONS)}")
+    return transformers
+
+
+def _with_global_loss(original, entry, logits):
+    """The forward that replaces `original` (entry's class's own forward)."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)  # keeps the signature Trainer inspects (remove_unused_columns, loss kwargs)
+    def forward(self, *args, **kwargs):
+        arguments = signature.bind(self, *args, **kwargs).arguments
+        if not arguments.get("return_loss"):
+            return original(self, *args, **kwargs)
+        arguments = _keywords(arguments)
+        return_dict = arguments.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = getattr(self.config, "return_dict", True)
+        if logits:
+            output = original(self, **arguments, return_loss=False, return_dict=True)
+            fields = dict(output.items())
+            image, text = output.image_embeds, output.text_embeds
+        else:
+            image, text, vision_output, text_output = models.embeddings(self, entry, arguments)
+            fields = dict(image_embeds=image, text_embeds=text, vision_model_output=vision_output,
+                          text_model_output=text_output)
+        scale, bias = models.logit_scale_and_bias(self, entry, image.device)
+        fields["loss"] = global_batch_loss(entry.family, image, text, scale, bias)
+        output = entry.output_class()(**fields)  # the dataclass's field order: loss first
+        return output if return_dict else output.to_tuple()
+
+    forward.clipshard_patched = True
+    return forward
+
+
+def _keywords(arguments):
+    """The forward's bound arguments as keyword arguments (its **kwargs spread out), without self
+    and return_loss."""
+    flat = {k: v for k, v in arguments.items() if k not in ("self", "return_loss", "kwargs")}
+    flat.update(arguments.get("kwargs", {}))
+    return flat
+
+
+@dataclasses.dataclass
+class TransformersPatch:
+    """What apply_to_transformers changed. replaced: class name -> its family ("clip" / "siglip");
+    kept: transformers' other models with a return_loss, left as they are; logits: whether the
+    patched forwards still return logits when computing the loss; originals: class -> its own
+    forward, for undo()."""
+    replaced: dict
+    kept: tuple
+    logits: bool
+    originals: dict
+    active: bool = True
+
+    def covers(self, model):
+        """Whether `model` (or its class) computes clipshard's loss while this patch is active."""
+        entry = models.covered_entry(models.unwrap(model) if not isinstance(model, type) else model)
+        return self.active and entry is not None
+
+    def report(self, model):
+        """One line saying what `model`'s return_loss=True computes."""
+        cls = model if isinstance(model, type) else type(models.unwrap(model))
+        if self.covers(model):
+            return f"{cls.__name__}: clipshard's global-batch loss ({models.covered_entry(cls).family} family)"
+        return f"{cls.__name__}: left alone, it computes its own loss"
+
+    def undo(self):
+        """Puts each class's own forward back (a no-op the second time)."""
+        global _active
+        if not self.active:
+            return
+        for cls, forward in self.originals.items():
+            cls.forward = forward
+        self.active = False
+        if _active is self:
+            _active = None
+        _LOG.info("clipshard: transformers' own forwards restored (%s)", ", ".join(self.replaced))
+
+    def summary(self):
+        replaced = ", ".join(f"{name} ({family})" for name, family in self.replaced.items())
+        logits = "" if self.logits else " without logits when return_loss=True"
+        return (f"clipshard's global-batch loss in transformers' {replaced}{logits}; left alone (their own "
+                f"losses): {', '.join(self.kept)}")
+
+
+_active = None
+
+
+def apply_to_transformers(*, logits=True):
+    """Makes `model(..., return_loss=True)` of transformers' CLIPModel, MetaClip2Model,
+    ChineseCLIPModel, AltCLIPModel, VisionTextDualEncoderModel, SiglipModel and Siglip2Model (and
+    their subclasses that keep the forward) return clipshard's loss over the global batch when
+    torch.distributed is initialised (per rank w_r * L_r, whose gradients after DDP's average are
+    the full-batch gradient; docs/transformers.md), and clipshard's fused single-device loss
+    otherwise, with the models' own normalisation, logit_scale.exp() and SigLIP's logit_bias.
+    Calls without return_loss are the models' own forward, unchanged.
+
+    logits=False: with return_loss=True the forwards skip the M x M logits (logits_per_image /
+    logits_per_text are None), so training memory stays O(M x D); evaluation calls (no
+    return_loss) still return them.
+
+    Call it before Trainer / accelerator.prepare / DDP wrap the model. Returns a TransformersPatch
+    (`.replaced`, `.kept`, `.covers(model)`, `.report(model)`, `.summary()`, `.undo()`) and logs its
+    summary to the "clipshard" logger. Calling it again while applied, with the same `logits`,
+    returns the same patch. Other models (`.kept`) are left as they are and raise nothing. Raises
+    ImportError if transformers is missing or not a supported version (SUPPORTED_VERSIONS)."""
+    global _active
+    if not isinstance(logits, bool):
+        raise TypeError(f"{_FN}: logits must be True or False, got {logits!r}")
+    if _active is not None:
+        if _active.logits != logits:
+            raise ValueError(f"{_FN}: already applied with logits={_active.logits}; undo() that patch first")
+        return _active
+    import_transformers()
+    originals, replaced = {}, {}
+    for entry in models.COVERED:
+        cls = entry.model_class()
+        originals[cls] = cls.__dict__["forward"]
+        replaced[entry.name] = entry.family
+    for cls, forward in originals.items():
+        cls.forward = _with_global_loss(forward, models.covered_entry(cls), logits)
+    _active = TransformersPatch(replaced=replaced, kept=models.NOT_COVERED, logits=logits, originals=originals)
+    _LOG.info("clipshard: %s", _active.summary())
+    return _active

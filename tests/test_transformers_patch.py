@@ -1,0 +1,263 @@
+"""apply_to_transformers() in one process: the loss of every covered class against the model's own loss
+and the fp64 reference, logits=False, undo, an uncovered class, refusals, bf16 autocast, gradient
+checkpointing, loss_from_output; and the integrations subpackage's place (the core never imports it,
+no import cycle, `import clipshard` without transformers or open_clip)."""
+import ast
+import pathlib
+import subprocess
+import sys
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers",
+                                   reason="transformers is not installed: pip install '.[transformers]'")
+
+import clipshard  # noqa: E402
+from clipshard.integrations import transformers_loss, transformers_patch  # noqa: E402
+from clipshard.reference import clip_loss_reference, siglip_loss_reference  # noqa: E402
+from hf_tiny_models import BUILDERS, gradient_errors, tiny_inputs, tiny_model  # noqa: E402
+
+ROOT = pathlib.Path(clipshard.__file__).parent
+CORE = ("clipshard.fused_op", "clipshard.loss", "clipshard.siglip", "clipshard.siglip_op", "clipshard.sharded_loss",
+        "clipshard.distributed", "clipshard.optim", "clipshard.rounding", "clipshard.reference")
+
+
+@pytest.fixture
+def patch():
+    patch = clipshard.apply_to_transformers()
+    yield patch
+    patch.undo()
+
+
+def _fp64_loss(name, model, out):
+    """The fp64 reference of the model's loss from its own (fp32) embeddings."""
+    scale = model.logit_scale.double().exp()
+    if name.startswith("Siglip"):
+        return siglip_loss_reference(out.image_embeds, out.text_embeds, scale, model.logit_bias.double())
+    return clip_loss_reference(out.image_embeds, out.text_embeds, scale)
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", list(BUILDERS))
+def test_single_device_loss_equals_the_models_own_and_fp64_and_logits_false_skips_the_logits(name):
+    model, inputs = tiny_model(name), tiny_inputs(name, 7, seed=3)
+    own = model(**inputs, return_loss=True)
+    own.loss.backward()
+    own_grads = _grads(model)
+    model.zero_grad(set_to_none=True)
+    with_logits = clipshard.apply_to_transformers()
+    try:
+        assert with_logits.covers(model) and "clipshard's global-batch loss" in with_logits.report(model)
+        ours = model(**inputs, return_loss=True)
+        torch.testing.assert_close(ours.logits_per_image, own.logits_per_image, rtol=0, atol=0)
+        assert list(ours.keys())[0] == "loss" and model(**inputs, return_loss=True, return_dict=False)[0] is not None
+        ours.loss.backward()
+        ours_grads = _grads(model)
+    finally:
+        with_logits.undo()
+    want = _fp64_loss(name, model, own)
+    assert abs(ours.loss.item() / want.item() - 1) < 1e-6 and abs(own.loss.item() / want.item() - 1) < 1e-5
+    assert ours_grads.keys() == own_grads.keys()
+    for param, error in gradient_errors(ours_grads, own_grads).items():  # fp32 rounding apart
+        assert error < 1e-4, (param, error)
+
+    model.zero_grad(set_to_none=True)
+    without = clipshard.apply_to_transformers(logits=False)
+    try:
+        skipped = model(**inputs, return_loss=True)
+        skipped.loss.backward()
+        assert skipped.logits_per_image is None and skipped.logits_per_text is None
+        assert model(**inputs).logits_per_image is not None  # evaluation calls keep them
+    finally:
+        without.undo()
+    assert torch.equal(skipped.loss, ours.loss) and torch.equal(skipped.image_embeds, ours.image_embeds)
+    for param, grad in ours_grads.items():
+        assert torch.equal(model.get_parameter(param).grad, grad), param
+
+
+def test_undo_restores_the_models_own_forward_and_loss_exactly():
+    model, inputs = tiny_model("SiglipModel"), tiny_inputs("SiglipModel", 5, seed=4)
+    classes = [entry.model_class() for entry in transformers_patch.models.COVERED]
+    forwards = [cls.__dict__["forward"] for cls in classes]
+    before = model(**inputs, return_loss=True).loss
+    patch = clipshard.apply_to_transformers()
+    assert clipshard.apply_to_transformers() is patch
+    with pytest.raises(ValueError, match="already applied with logits=True"):
+        clipshard.apply_to_transformers(logits=False)
+    assert all(cls.__dict__["forward"] is not f for cls, f in zip(classes, forwards))
+    patch.undo()
+    patch.undo()
+    assert all(cls.__dict__["forward"] is f for cls, f in zip(classes, forwards))
+    assert torch.equal(model(**inputs, return_loss=True).loss, before)
+    assert not patch.covers(model) and "left alone" in patch.report(model)
+
+
+def _tiny_owlvit():
+    torch.manual_seed(0)
+    tower = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    config = transformers.OwlViTConfig(text_config=dict(tower, vocab_size=40, max_position_embeddings=16),
+                                       vision_config=dict(tower, image_size=8, patch_size=4, num_channels=3),
+                                       projection_dim=8)
+    return transformers.OwlViTModel(config).eval()
+
+
+def test_an_uncovered_class_is_left_alone_and_reported(patch):
+    model = _tiny_owlvit()  # a CLIP-like model with its own return_loss, not covered
+    inputs = {"input_ids": torch.randint(3, 40, (4, 7)), "pixel_values": torch.randn(4, 3, 8, 8)}
+    assert "OwlViTModel" in patch.kept and "OwlViTModel" in patch.summary()
+    assert not patch.covers(model) and patch.report(model) == "OwlViTModel: left alone, it computes its own loss"
+    patched = model(**inputs, return_loss=True).loss
+    patch.undo()
+    assert torch.equal(model(**inputs, return_loss=True).loss, patched)
+    with pytest.raises(TypeError, match=r"loss_from_embeddings: model must be one of transformers' CLIPModel"):
+        transformers_loss.loss_from_embeddings(model, torch.randn(4, 8), torch.randn(4, 8))
+
+
+def test_loss_from_output_for_own_loops_matches_the_patched_forward(patch):
+    model, inputs = tiny_model("CLIPModel"), tiny_inputs("CLIPModel", 6, seed=5)
+    patched = model(**inputs, return_loss=True).loss
+    own_loop = transformers_loss.loss_from_output(model, model(**inputs))
+    assert torch.equal(own_loop, patched)
+    with pytest.raises(ValueError, match="loss_from_output: output has no image_embeds"):
+        transformers_loss.loss_from_output(model, object())
+
+
+def test_refuses_unsupported_transformers_versions_and_bad_arguments(monkeypatch):
+    monkeypatch.setattr(transformers_patch.models, "SUPPORTED_VERSIONS", ("9.9",))
+    with pytest.raises(ImportError, match=r"apply_to_transformers: transformers 5\.23\.\d+ is not supported; "
+                                          r"clipshard supports 9\.9\.x"):
+        clipshard.apply_to_transformers()
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    with pytest.raises(ImportError, match=r"transformers is not installed .* pip install 'clipshard\[transformers\]'"):
+        clipshard.apply_to_transformers()
+    with pytest.raises(TypeError, match="apply_to_transformers: logits must be True or False"):
+        clipshard.apply_to_transformers(logits="no")
+
+
+@pytest.mark.parametrize("name", ["CLIPModel", "SiglipModel"])
+def test_bf16_autocast_and_gradient_checkpointing(name):
+    """Training mode: under bf16 autocast the loss stays within bf16 rounding of the model's own;
+    gradient checkpointing of the towers gives the same gradients as without."""
+    inputs = tiny_inputs(name, 6, seed=6)
+    model = tiny_model(name).train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        own = model(**inputs, return_loss=True)
+    patch = clipshard.apply_to_transformers()
+    try:
+        _bf16_and_checkpointing(model, inputs, own)
+    finally:
+        patch.undo()
+
+
+def _bf16_and_checkpointing(model, inputs, own):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = model(**inputs, return_loss=True)
+    assert ours.image_embeds.dtype == torch.bfloat16
+    assert abs(ours.loss.item() / own.loss.item() - 1) < 2e-2
+    ours.loss.backward()
+    plain = _grads(model)
+    assert all(torch.isfinite(g).all() for g in plain.values())
+    model.zero_grad(set_to_none=True)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model(**inputs, return_loss=True).loss.float().backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model.zero_grad(set_to_none=True)
+        model(**inputs, return_loss=True).loss.backward()
+    for param, grad in plain.items():
+        torch.testing.assert_close(model.get_parameter(param).grad, grad, rtol=0, atol=0, msg=param)
+
+
+# ---- the integrations subpackage's place ------------------------------------------------------------
+
+def _run(script):
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.split()
+
+
+def test_clipshard_imports_without_transformers_and_open_clip():
+    """In a fresh interpreter where importing transformers, accelerate or open_clip raises: clipshard
+    imports without even trying them, its loss runs, and apply_to_transformers says what is missing."""
+    out = _run("""
+import importlib.abc, sys
+tried = []
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("transformers", "accelerate", "open_clip", "open_clip_train"):
+            tried.append(name)
+            raise ImportError("hidden: " + name)
+sys.meta_path.insert(0, Hide())
+import torch, clipshard
+print("tried:" + ",".join(tried))
+x = torch.nn.functional.normalize(torch.randn(4, 8), dim=-1)
+assert torch.isfinite(clipshard.ClipLoss()(x, x.flip(0), torch.tensor(10.0)))
+try:
+    clipshard.apply_to_transformers()
+except ImportError as e:
+    print("refused:" + str(e).split(":")[0])
+""")
+    assert out == ["tried:", "refused:clipshard.apply_to_transformers"]
+
+
+def test_the_core_never_imports_the_integrations():
+    """Each core module imports in a fresh interpreter where clipshard's own __init__ (which imports the
+    integrations for the public names) is bypassed and clipshard.integrations cannot be imported."""
+    out = _run(f"""
+import importlib, importlib.abc, sys, types
+import torch
+class Forbid(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.startswith("clipshard.integrations"):
+            raise ImportError("the core imported " + name)
+sys.meta_path.insert(0, Forbid())
+package = types.ModuleType("clipshard")
+package.__path__ = [{str(ROOT)!r}]
+sys.modules["clipshard"] = package
+importlib.import_module("clipshard._C")
+for name in {CORE!r}:
+    importlib.import_module(name)
+print(sorted(n for n in sys.modules if n.startswith("clipshard.integrations")))
+""")
+    assert out == ["[]"]
+
+
+def _imports(path):
+    """The clipshard modules a file imports, at any depth (function-level imports included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("clipshard"))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("clipshard"):
+            found.add(node.module)
+            found.update(f"{node.module}.{a.name}" for a in node.names)
+    return found
+
+
+def test_no_import_cycle_between_clipshard_modules():
+    modules = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules[name] = path
+    graph = {name: {m for m in _imports(path) if m in modules and m != "clipshard"}
+             for name, path in modules.items() if name != "clipshard"}
+    assert "clipshard.integrations.coca_loss" in graph and "clipshard.integrations.open_clip_patch" in graph
+    state = {}
+
+    def visit(node, trail):
+        if state.get(node) == "done":
+            return
+        assert state.get(node) != "open", "import cycle: " + " -> ".join(trail + [node])
+        state[node] = "open"
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, trail + [node])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        visit(name, [])
+    for name in CORE:
+        assert not any(m.startswith("clipshard.integrations") for m in graph[name]), name
