@@ -27,6 +27,7 @@ if home:
 EOF2
 )"
 [ -x "$CUDA_HOME/bin/nvcc" ] || { echo "cuda_resources: no nvcc found (set CUDA_HOME)" >&2; exit 1; }
+# shellcheck disable=SC2086  # INCLUDES is a list of -I flags
 for source in "${SOURCES[@]}"; do
   "$CUDA_HOME/bin/nvcc" -std=c++20 -O3 --expt-relaxed-constexpr -arch="sm_$ARCH" -cubin -Xptxas -v \
     -Icsrc/include $INCLUDES -o "$OUT/$(basename "$source").cubin" "$source" > "$OUT/$(basename "$source").log" 2>&1 \

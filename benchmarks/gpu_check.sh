@@ -6,7 +6,7 @@
 # timeout, clipped to what is left, from the per-step estimates in docs/gpu_check.md (which says
 # how to run it on a lent machine).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 LOG_DIR=${1:-${GPU_CHECK_LOGS:-gpu_logs}}
 PY=${PYTHON:-python3}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
@@ -26,6 +26,7 @@ run_step() {
   if [ "$limit" -le 5 ]; then echo "no time left" >"$log"; return 124; fi
   timeout "$limit" "$@" >"$log" 2>&1
 }
+# shellcheck disable=SC2329  # called by the EXIT trap
 summary() {
   echo "== summary (t=$((SECONDS - start)) s of ${BUDGET_S} s)"
   for table in "$LOG_DIR"/bench_*.txt; do
@@ -66,7 +67,7 @@ if ! "$PY" -c "import ninja" 2>/dev/null && ! command -v ninja >/dev/null; then
 fi
 # No TORCH_CUDA_ARCH_LIST unless the caller sets one: torch then builds for the visible GPU's
 # architecture plus its PTX (CI's no-GPU build covers sm_80/90/100/120, tests/test_build_archs.py).
-if ! run_step 140 "$LOG_DIR/build.log" env MAX_JOBS=${MAX_JOBS:-16} FORCE_CUDA=1 "$PY" setup.py build_ext --inplace; then
+if ! run_step 140 "$LOG_DIR/build.log" env MAX_JOBS="${MAX_JOBS:-16}" FORCE_CUDA=1 "$PY" setup.py build_ext --inplace; then
   tail -n 60 "$LOG_DIR/build.log"
   record "BUILD FAILED (see $LOG_DIR/build.log)"
   status=1

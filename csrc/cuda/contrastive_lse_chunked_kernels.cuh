@@ -20,7 +20,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kRowsPerCta = 32;  // rows per CTA of chunk_grad_kernel
 
 // The two variants of chunk_forward_kernel (docs/fused_loss_cuda.md, "Resources per kernel"): 32
-// row states per thread (158 registers: one 256-thread CTA per SM) or 16 (two CTAs per SM, no
+// row states per thread (160 registers: one 256-thread CTA per SM) or 16 (two CTAs per SM, no
 // spills). contrastive_lse_chunked.cu picks one (kDefaultForwardRows there).
 constexpr int kForwardRowsWide = 32;
 constexpr int kForwardRowsNarrow = 16;

@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <iterator>
 #include <random>
 #include <type_traits>
 
@@ -191,8 +192,10 @@ int main() {
   for (const Case& c : cases) all &= run_case<float>(c, gen);
   for (const Case& c : cases) all &= run_case<c10::BFloat16>(c, gen);
   for (const Case& c : cases) all &= run_case<c10::Half>(c, gen);
-  // The 16-row forward variant (its output does not depend on the features' dtype: it reads fp32 dots).
-  for (const Case& c : cases) all &= run_case<float>(c, gen, k::kForwardRowsNarrow);
+  // The 16-row forward variant: fp32 only (the forward reads fp32 dots whatever the features' dtype),
+  // every case but the last, whose forward (realistic gradients matter only backward) is the costliest.
+  for (int n = 0; n + 1 < static_cast<int>(std::size(cases)); ++n)
+    all &= run_case<float>(cases[n], gen, k::kForwardRowsNarrow);
   // Control: with realistic gradients, fp16 dlogits without the pre-scale underflow and must fail.
   g_without_prescale = true;
   const bool control_failed = !run_case<c10::Half>(cases[6], gen);
