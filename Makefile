@@ -1,7 +1,7 @@
 # Two entry points (see README): `make run` sets everything up and runs the main job; `make test`
 # runs the tests. Both create .venv, install torch and build the extension on first use.
 #
-# Which kernels get built: CUDA kernels can only run where a GPU is, and compiling them for two
+# Which kernels get built: CUDA kernels can only run where a GPU is, and compiling them for four
 # architectures takes minutes on a small machine, so without a visible GPU the build is CPU-only
 # unless FORCE_CUDA=1 (what CI sets, so that a CUDA compile error fails CI). `pip install .`
 # itself builds the CUDA kernels whenever nvcc and a CUDA build of torch are present.

@@ -10,7 +10,13 @@ import sys
 from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_ARCHS = "8.0;9.0"  # used when no GPU is visible at build time
+# Used when no GPU is visible at build time (CI, wheels, containers; docs/fused_loss_cuda.md,
+# "Build"): SASS for Ampere (sm_80, also run by sm_86/87/89), Hopper (sm_90), datacenter Blackwell
+# (sm_100, also sm_103) and consumer Blackwell (sm_120, also sm_121); PTX of compute_120 so that
+# GPUs newer than the list JIT the newest code, and PTX of compute_80 for any other arch >= 8.0
+# (e.g. sm_110); that PTX costs no compile time (nvcc already generates it for the sm_80 SASS).
+# With a visible GPU, torch's own default applies: that GPU's arch plus its PTX.
+DEFAULT_ARCHS = "8.0+PTX;9.0;10.0;12.0+PTX"
 
 
 def _real_toolkit(path):
@@ -65,15 +71,22 @@ def decide_cuda():
     return (None, problem) if problem else (cuda_home, "FORCE_CUDA=1" if force else "CUDA toolkit found")
 
 
-def extra_cuda_includes():
-    """cuBLAS/cuRAND headers ship with torch's nvidia wheels when the toolkit lacks them."""
+def wheel_header_dir(cuda_home, dest):
+    """cuBLAS/cuRAND/... headers ship with torch's nvidia wheels when the toolkit lacks them. Returns
+    `dest`, a folder of symlinks to just the wheel headers (top-level names) that the toolkit's
+    include folder does not have, so a wheel's cuda_runtime.h, cuda_fp16.hpp, ... of another minor
+    version can never shadow the toolkit's own. The first wheel to provide a name wins."""
     import site
 
-    dirs = []
+    toolkit = set(os.listdir(os.path.join(cuda_home, "include")))
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(dest)
     for base in site.getsitepackages() + [site.getusersitepackages()]:
-        dirs += glob.glob(os.path.join(base, "nvidia", "cu*", "include"))
-        dirs += glob.glob(os.path.join(base, "nvidia", "*", "include"))
-    return [d for d in dirs if os.path.isdir(d)]
+        for include in sorted(glob.glob(os.path.join(base, "nvidia", "*", "include"))):
+            for name in sorted(os.listdir(include)):
+                if name not in toolkit and not os.path.lexists(os.path.join(dest, name)):
+                    os.symlink(os.path.join(include, name), os.path.join(dest, name))
+    return dest
 
 
 def build_extension():
@@ -83,7 +96,7 @@ def build_extension():
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
     import torch
 
-    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
+    sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/chunked/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
     include_dirs = [os.path.join(ROOT, "csrc", "include")]
     cxx_flags = ["-O3", "-fopenmp"] if sys.platform != "darwin" else ["-O3"]
     if cuda_home is None:
@@ -100,9 +113,10 @@ def build_extension():
     print(f"clipshard: building CPU + CUDA kernels for {archs} ({reason}; nvcc "
           f"{nvcc_version(cuda_home)} at {cuda_home}; torch {torch.__version__})")
     sources += sorted(glob.glob("csrc/cuda/*.cu"))
+    wheel_headers = wheel_header_dir(cuda_home, os.path.join(ROOT, "build", "wheel_cuda_headers"))
     ext = CUDAExtension(
         "clipshard._C", sources,
-        include_dirs=include_dirs + extra_cuda_includes(),
+        include_dirs=include_dirs + [wheel_headers],
         define_macros=[("CLIPSHARD_WITH_CUDA", "1")],
         extra_compile_args={"cxx": cxx_flags,
                             "nvcc": ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]},

@@ -4,7 +4,9 @@ A rank of 8 holds M = 8192 local rows and sees K = 65536 gathered columns (D = 7
 script times (median, 20/80 % quantiles) and measures the peak extra memory (benchmarks/_measure.py) of
   - clipshard's op (torch.ops.clipshard.contrastive_lse_forward / _backward, row + column LSE),
     both algorithms: "chunked" (cuBLAS GEMMs over column chunks + fused elementwise kernels, the
-    CUDA default) and "fused" (hand-written tile kernels);
+    CUDA default) and "fused" (hand-written tile kernels); on CUDA also the chunked path with each
+    variant of its forward kernel (32 or 16 rows per CTA; which is faster decides the default);
+  - clipshard.contrastive_lse(..., algorithm="torch"), the pure-PyTorch chunked path, with autograd;
   - the materialised equivalent: logits = s * A @ B^T, row/column logsumexp and their backward;
   - open_clip's local loss doing the same work: two M x K logit blocks and two cross-entropies;
   - one plain M x K x D matmul (cuBLAS on CUDA), the rate every TFLOP/s figure is compared with.
@@ -76,6 +78,52 @@ def op_forward_backward(p, algorithm):
                                         p["workspace"], True)
 
 
+FORWARD_ROWS_ENV = "CLIPSHARD_CHUNKED_FORWARD_ROWS"  # read by the chunked CUDA forward at every call
+
+
+def with_forward_rows(rows_per_cta, fn):
+    """fn, run with the chunked CUDA forward kernel variant of rows_per_cta rows per CTA."""
+    def call():
+        saved = os.environ.get(FORWARD_ROWS_ENV)
+        os.environ[FORWARD_ROWS_ENV] = rows_per_cta
+        try:
+            return fn()
+        finally:
+            if saved is None:
+                os.environ.pop(FORWARD_ROWS_ENV)
+            else:
+                os.environ[FORWARD_ROWS_ENV] = saved
+    return call
+
+
+def torch_path_forward(p, leaves=None):
+    rows, cols, scale = leaves or (p["rows"], p["cols"], p["scale"])
+    return clipshard.contrastive_lse(rows, cols, scale, None, p["pos"], True, algorithm="torch")
+
+
+def torch_path_forward_backward(p):
+    leaves = [t.detach().requires_grad_() for t in (p["rows"], p["cols"], p["scale"])]
+    row_lse, pos_logit, col_lse = torch_path_forward(p, leaves)
+    loss = (row_lse * p["g_row"]).sum() + (pos_logit * p["g_pos"]).sum() + (col_lse * p["g_col"]).sum()
+    return torch.autograd.grad(loss, leaves)
+
+
+def print_comparisons(results):
+    """The two decisions the first GPU run makes: which forward kernel variant becomes the default,
+    and whether the torch path is within 1.5x of the chunked CUDA path."""
+    median = {r["name"]: r["median_s"] for r in results if "median_s" in r}
+    for mode in ("fwd", "fwd+bwd"):
+        wide, narrow = (median.get(f"clipshard chunked {mode}, {n}-row forward kernel") for n in (32, 16))
+        if wide and narrow:
+            faster, ratio = (16, wide / narrow) if narrow < wide else (32, narrow / wide)
+            print(f"chunked forward kernel, {mode}: 32 rows/CTA {wide * 1e3:.3f} ms, 16 rows/CTA "
+                  f"{narrow * 1e3:.3f} ms: {faster} rows is faster by {ratio:.3f}x (the default is "
+                  "kDefaultForwardRows in csrc/cuda/contrastive_lse_chunked.cu)")
+        chunked, portable = median.get(f"clipshard chunked {mode}"), median.get(f"clipshard torch {mode}")
+        if chunked and portable:
+            print(f"torch path / chunked CUDA path, {mode}: {portable / chunked:.3f}x (target <= 1.5)")
+
+
 def materialised_lse(rows, cols, scale, pos):
     logits = scale * rows @ cols.T  # the input dtype, as under autocast
     wide = logits.float()  # what autocast's fp32 log-softmax does
@@ -125,6 +173,14 @@ def main():
         configs.append((f"clipshard {algorithm} fwd", lambda a=algorithm: op_forward(p, a), 2 * block, "fwd"))
         configs.append((f"clipshard {algorithm} fwd+bwd", lambda a=algorithm: op_forward_backward(p, a),
                         5 * block, "fwd+bwd"))
+    if device == "cuda":
+        for n in ("32", "16"):
+            configs.append((f"clipshard chunked fwd, {n}-row forward kernel",
+                            with_forward_rows(n, lambda: op_forward(p, "chunked")), 2 * block, "fwd"))
+            configs.append((f"clipshard chunked fwd+bwd, {n}-row forward kernel",
+                            with_forward_rows(n, lambda: op_forward_backward(p, "chunked")), 5 * block, "fwd+bwd"))
+    configs.append(("clipshard torch fwd", lambda: torch_path_forward(p), 2 * block, "fwd"))
+    configs.append(("clipshard torch fwd+bwd", lambda: torch_path_forward_backward(p), 5 * block, "fwd+bwd"))
     configs += [
         ("materialised fwd", lambda: materialised_lse(p["rows"], p["cols"], p["scale"], p["pos"]), 2 * block, "fwd"),
         ("materialised fwd+bwd", lambda: materialised_forward_backward(p), 5 * block, "fwd+bwd"),
@@ -135,7 +191,7 @@ def main():
     results, failed = [], False
     for name, fn, flops, mode in configs:
         row = dict(name=name, mode=mode, flops=flops)
-        if name.startswith("clipshard") and not has_kernel(device):
+        if name.startswith("clipshard") and "torch" not in name and not has_kernel(device):
             row["error"] = f"no {device.upper()} kernel registered in this build"
         else:
             try:
@@ -179,6 +235,7 @@ def main():
     print("TFLOP/s: useful FLOPs (2 GEMM-equivalents of 2MKD forward, 5 forward + backward) over the time; "
           "x matmul: fraction of the plain matmul rate; x local: open_clip local time / this time; "
           "peak MiB: above inputs, outputs included")
+    print_comparisons(results)
     write_json(args.json, dict(**run_metadata(device), M=M, K=K, D=D, dtype=str(dtype), results=results))
     return 1 if failed else 0
 

@@ -102,3 +102,31 @@ def test_bad_algorithm_arguments(bad, error, pattern):
     rows, cols = inputs(4, 8, 3, torch.float32, seed=1)
     with pytest.raises(error, match="contrastive_lse: " + pattern):
         contrastive_lse(rows, cols, 1.0, **bad)
+
+
+def torch_accepts_fp32_accumulator(device, dtype):
+    """What torch itself says: addmm with out_dtype=float32 into an fp32 accumulator, 16-bit factors."""
+    acc = torch.zeros(1, 1, device=device)
+    factor = torch.ones(1, 1, device=device, dtype=dtype)
+    try:
+        torch.addmm(acc, factor, factor, out_dtype=torch.float32, out=acc)
+        return True
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_addmm_probe_gives_torchs_answer_and_can_be_forced_off(dtype, monkeypatch):
+    """The chunk driver picks its 16-bit rows-gradient path by probing addmm.dtype_out once per device
+    type (csrc/chunked/chunk_driver.h). On this torch the CPU refuses (no such kernel) and the meta
+    device accepts: both answers are checked against torch's own, without an exception escaping."""
+    probe = torch.ops.clipshard._addmm_accepts_fp32_accumulator
+    answers = {}
+    for device in ("cpu", "meta"):
+        expected = torch_accepts_fp32_accumulator(device, dtype)
+        answers[device] = probe(torch.device(device), dtype)
+        assert answers[device] is expected, f"{device}: probe says {answers[device]}, torch says {expected}"
+        assert probe(torch.device(device), dtype) is expected  # the cached answer
+    assert set(answers.values()) == {True, False}, f"both branches should be seen here: {answers}"
+    monkeypatch.setenv("CLIPSHARD_ADDMM_FP32_ACCUMULATOR", "0")
+    assert probe(torch.device("meta"), dtype) is False

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-import clipshard  # noqa: F401  (loads torch.ops.clipshard)
+import clipshard
 from clipshard.reference import contrastive_lse_reference
 
 pytestmark = pytest.mark.cuda
@@ -381,3 +381,75 @@ def test_backward_rejects_bad_gradient_shapes():
     with pytest.raises(RuntimeError, match=r"contrastive_lse_backward: grad_col_lse is given, so col_lse"):
         ops.contrastive_lse_backward(g_row, g_pos, g_col, a["rows"], a["cols"], a["scale"], a["bias"],
                                      a["pos"], outs[0], None, "chunked", SMALL_WORKSPACE, True)
+
+
+def public_forward_backward(rows, cols, scale, bias, pos, grads, **kwargs):
+    """clipshard.contrastive_lse's outputs and the autograd gradients of sum(g * outputs) for
+    (rows, cols, scale[, bias])."""
+    leaves = [t.detach().clone().requires_grad_() for t in (rows, cols, scale)]
+    if bias is not None:
+        leaves.append(bias.detach().clone().requires_grad_())
+    outs = clipshard.contrastive_lse(*leaves[:3], leaves[3] if bias is not None else None, pos, True, **kwargs)
+    loss = sum((o.float() * g).sum() for o, g in zip(outs, grads))
+    return [o.detach() for o in outs], torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torch_algorithm_matches_cuda_algorithms_on_the_device(dtype):
+    """algorithm="torch" (pure PyTorch, chunked) against both compiled algorithms, same inputs on the
+    GPU: each is also checked against fp64 above, so agreement within rounding is expected."""
+    M, K, D, pos, scale, bias = 333, 1025, 136, 500, 14.3, 0.5
+    rows, cols, scale_t, bias_t = make_inputs(M, K, D, dtype, scale, bias, seed=31)
+    grads = upstream(M, K, True, seed=32)
+    torch_outs, torch_grads = public_forward_backward(rows, cols, scale_t, bias_t, pos, grads, algorithm="torch")
+    for algorithm in ALGORITHMS:
+        outs, got = public_forward_backward(rows, cols, scale_t, bias_t, pos, grads, algorithm=algorithm)
+        for name, a, b in zip(("row_lse", "pos_logit", "col_lse"), outs, torch_outs):
+            torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=2 * lse_atol(scale, D),
+                                       msg=lambda m, n=name: f"{algorithm} vs torch, {n}: {m}")
+        for name, a, b in zip(("grad_rows", "grad_cols"), got[:2], torch_grads[:2]):
+            rtol = 2 * GRAD_RTOL[dtype]
+            torch.testing.assert_close(a.double(), b.double(), rtol=rtol, atol=rtol * b.abs().max().item(),
+                                       msg=lambda m, n=name: f"{algorithm} vs torch, {n}: {m}")
+        g_abs = sum(g.abs().sum().item() for g in grads)
+        for name, a, b in zip(("grad_scale", "grad_bias"), got[2:], torch_grads[2:]):
+            assert abs(a.item() - b.item()) <= 2e-4 * g_abs + 1e-6, f"{algorithm} vs torch, {name}: {a} vs {b}"
+
+
+@pytest.mark.parametrize("rows_per_cta", ["16", "32"])
+def test_both_chunked_forward_variants_match_fp64_reference(rows_per_cta, monkeypatch):
+    """chunk_forward_kernel with 32 row states per thread (one CTA per SM) and with 16 (two CTAs
+    per SM), chosen by CLIPSHARD_CHUNKED_FORWARD_ROWS (read at every call)."""
+    monkeypatch.setenv("CLIPSHARD_CHUNKED_FORWARD_ROWS", rows_per_cta)
+    for M, K, D, pos, scale, bias in ((1, 3, 17, 2, 14.3, 0.5), (129, 1000, 17, 871, 100.0, None),
+                                      (2050, 4099, 256, 1000, 14.3, -2.0)):
+        rows, cols, scale_t, bias_t = make_inputs(M, K, D, torch.bfloat16, scale, bias, seed=33)
+        outs = forward(rows, cols, scale_t, bias_t, pos, True, "chunked")
+        ref = contrastive_lse_reference(rows, cols, scale_t, bias_t, pos, True)
+        for name, got, expected in zip(("row_lse", "pos_logit", "col_lse"), outs, ref):
+            torch.testing.assert_close(got.double(), expected, rtol=1e-5, atol=lse_atol(scale, D),
+                                       msg=lambda m, n=name: f"{rows_per_cta} rows, M={M}, {n}: {m}")
+
+
+def test_bad_forward_variant_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("CLIPSHARD_CHUNKED_FORWARD_ROWS", "8")
+    rows, cols, scale_t, _ = make_inputs(5, 9, 8, torch.float32, 2.0, None)
+    with pytest.raises(RuntimeError, match="CLIPSHARD_CHUNKED_FORWARD_ROWS must be 16 or 32"):
+        forward(rows, cols, scale_t, None, 2, True, "chunked")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("force_fallback", [False, True])
+def test_both_rows_gradient_paths_match_fp64_reference(dtype, force_fallback, monkeypatch):
+    """16-bit backward: grad_rows accumulates with addmm.dtype_out into fp32 where this torch accepts
+    it (probed), else through an fp32 buffer; CLIPSHARD_ADDMM_FP32_ACCUMULATOR=0 forces the buffer."""
+    if force_fallback:
+        monkeypatch.setenv("CLIPSHARD_ADDMM_FP32_ACCUMULATOR", "0")
+    M, K, D, pos = 333, 1025, 136, 500
+    rows, cols, scale_t, bias_t = make_inputs(M, K, D, dtype, 14.3, 0.5, seed=34)
+    grads = upstream(M, K, True, seed=35)
+    outs = forward(rows, cols, scale_t, bias_t, pos, True, "chunked")
+    got = backward(grads, rows, cols, scale_t, bias_t, pos, outs, "chunked")
+    expected = reference_grads(rows, cols, scale_t, bias_t, pos, grads)
+    assert_close_grad(got[0], expected[0], dtype, "grad_rows")
+    assert_close_grad(got[1], expected[1], dtype, "grad_cols")

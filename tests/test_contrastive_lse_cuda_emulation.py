@@ -6,7 +6,8 @@ from the PTX fragment layouts, then compares every output with a double-precisio
 
 - emulate_contrastive_lse.cpp: the "fused" tile kernels, FMA (fp32) and tensor-core (bf16, fp16);
 - emulate_chunked_lse.cpp: the "chunked" path's elementwise kernels (fp32, bf16, fp16), driven
-  chunk by chunk as contrastive_lse_chunked.cu drives them, with the GEMMs done on the host.
+  chunk by chunk as contrastive_lse_chunked.cu drives them, with the GEMMs done on the host; both
+  variants of its forward kernel (32 and 16 rows per CTA).
 
 Both include realistic upstream gradients (0.5 / 65536) and a negative control: fp16 without the
 gradient pre-scale, which must fail (it loses the negative pairs' gradients to underflow). This
@@ -51,6 +52,7 @@ def test_fused_kernels_match_double_reference_in_host_emulation(tmp_path):
 def test_chunked_kernels_match_double_reference_in_host_emulation(tmp_path):
     out = _build_and_run(tmp_path, HARNESSES / "emulate_chunked_lse.cpp")
     for dtype in ("fp32", "bf16", "fp16"):
-        assert out.count(f"ok chunked {dtype}") == 7, out
+        assert out.count(f"ok chunked {dtype} forward-rows=32") == 7, out
+    assert out.count("ok chunked fp32 forward-rows=16") == 6, out
     assert out.count("realistic-gradients") == 4  # three dtypes and the failing control
     assert "ok control: fp16 without the pre-scale loses" in out

@@ -13,18 +13,43 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <torch/version.h>
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
 #include <optional>
 #include <utility>
 
 namespace clipshard::chunked {
 
-// torch 2.12 and later accept addmm.dtype_out(fp32 accumulator, 16-bit factors, out=accumulator).
-constexpr bool kAddmmAccumulatesInFp32 =
-    TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 12);
+// Whether ATen's addmm.dtype_out takes an fp32 accumulator with `factors`-typed (16-bit) factors,
+// out = the accumulator, on this device type: newer torch relaxed that dtype check (pytorch#167931),
+// older torch refuses it, and the CPU has no such kernel at all. Decided by asking torch, not by its
+// version number: the first call per (device type, dtype) tries it on 1 x 1 tensors of the device
+// (no host synchronisation) and caches the answer. CLIPSHARD_ADDMM_FP32_ACCUMULATOR=0 forces
+// "refused" (read at every call: a knob for tests and benchmarks of the fallback).
+inline bool addmm_accepts_fp32_accumulator(const at::Device& device, at::ScalarType factors) {
+  const char* force = std::getenv("CLIPSHARD_ADDMM_FP32_ACCUMULATOR");
+  if (force != nullptr && std::strcmp(force, "0") == 0) return false;
+  static std::mutex mutex;
+  static std::map<std::pair<c10::DeviceType, at::ScalarType>, bool> answers;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_pair(device.type(), factors);
+  if (const auto known = answers.find(key); known != answers.end()) return known->second;
+  bool accepted = true;
+  try {
+    at::Tensor acc = at::zeros({1, 1}, at::TensorOptions().device(device).dtype(at::kFloat));
+    const at::Tensor factor = at::ones({1, 1}, at::TensorOptions().device(device).dtype(factors));
+    at::addmm_out(acc, acc, factor, factor, at::kFloat);
+  } catch (const c10::Error&) {
+    accepted = false;
+  }
+  answers.emplace(key, accepted);
+  return accepted;
+}
 
 // Chunk widths are multiples of this (or K itself when K is smaller).
 constexpr int64_t kColumnQuantum = 128;
@@ -96,10 +121,10 @@ std::pair<at::Tensor, at::Tensor> chunked_gradients(const at::Tensor& rows, cons
   // through an fp32 chunk buffer (16-bit outputs are then rounded once, from fp32).
   const bool direct = !unscale.defined() && grad_dtype == acc && out == acc;
   const at::Tensor cols_buffer = direct ? at::Tensor() : at::empty({width_max * D}, rows.options().dtype(acc));
-  // 16-bit dlogits before torch 2.12, whose addmm.dtype_out refuses an fp32 accumulator with 16-bit
-  // factors: the rows' gradient of a chunk goes through an fp32 M x D buffer and is then added (the
-  // extra M x D traffic is a few % of the chunk's GEMMs).
-  const bool buffered_rows = grad_dtype != acc && !kAddmmAccumulatesInFp32;
+  // 16-bit dlogits where torch's addmm.dtype_out refuses an fp32 accumulator with 16-bit factors:
+  // the rows' gradient of a chunk goes through an fp32 M x D buffer and is then added (the extra
+  // M x D traffic is a few % of the chunk's GEMMs).
+  const bool buffered_rows = grad_dtype != acc && !addmm_accepts_fp32_accumulator(rows.device(), grad_dtype);
   const at::Tensor rows_buffer = buffered_rows ? at::empty({M, D}, rows.options().dtype(acc)) : at::Tensor();
   for_each_chunk(rows, cols, kc, [&](const Chunk& chunk) {
     at::Tensor dlogits = workspace_view(grad_workspace, M, chunk.width);

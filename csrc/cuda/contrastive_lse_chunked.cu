@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 #include <limits>
 
 #include "../chunked/chunk_driver.h"
@@ -20,22 +22,36 @@ namespace {
 using at::Tensor;
 namespace k = chunked_cuda;
 
-// Workspace bytes per logit: the fp32 chunk plus the column partials (8 bytes per 32 rows),
-// rounded up; the gradient pass adds the dlogits chunk.
+// Workspace bytes per logit: the fp32 chunk plus the column partials (8 bytes per block of 16 or
+// 32 rows), rounded up; the gradient pass adds the dlogits chunk.
 constexpr int64_t kForwardBytesPerLogit = 5;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Row blocks of kRowsPerCta rows: the grid's y dimension.
-unsigned row_blocks(const char* fn, int64_t M) {
-  const int64_t n = ceil_div(M, k::kRowsPerCta);
+// The forward kernel variant (docs/fused_loss_cuda.md, "Resources per kernel"): rows per CTA.
+// The GPU check benchmarks both; making the faster one the default is this one line.
+constexpr int kDefaultForwardRows = k::kForwardRowsWide;
+
+// kDefaultForwardRows, unless CLIPSHARD_CHUNKED_FORWARD_ROWS is "16" or "32" (a benchmark knob,
+// read at every call so that one process can time both variants).
+int forward_rows_per_cta() {
+  const char* env = std::getenv("CLIPSHARD_CHUNKED_FORWARD_ROWS");
+  if (env == nullptr || *env == '\0') return kDefaultForwardRows;
+  if (std::strcmp(env, "16") == 0) return k::kForwardRowsNarrow;
+  if (std::strcmp(env, "32") == 0) return k::kForwardRowsWide;
+  TORCH_CHECK(false, "contrastive_lse_forward: CLIPSHARD_CHUNKED_FORWARD_ROWS must be 16 or 32, got \"", env, "\"");
+}
+
+// Row blocks of rows_per_cta rows: the grid's y dimension.
+unsigned row_blocks(const char* fn, int64_t M, int rows_per_cta) {
+  const int64_t n = ceil_div(M, rows_per_cta);
   TORCH_CHECK(n <= 65535, fn, ": too many rows (", M, ") for the chunked kernels' grid (at most ",
-              65535 * int64_t(k::kRowsPerCta), ")");
+              65535 * int64_t(rows_per_cta), ")");
   return static_cast<unsigned>(n);
 }
 
 // Column splits: enough CTAs for about three per SM, each with as many column steps as possible
-// (every CTA ends with a reduction of its 32 row states, worth amortising).
+// (every CTA ends with a reduction of its row states, worth amortising).
 unsigned column_splits(int64_t width, unsigned n_row_blocks) {
   const int64_t steps = ceil_div(width, k::kThreads);
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
@@ -45,14 +61,12 @@ unsigned column_splits(int64_t width, unsigned n_row_blocks) {
 
 k::Lse* as_states(const Tensor& t) { return reinterpret_cast<k::Lse*>(t.data_ptr<float>()); }
 
-}  // namespace
-
-std::tuple<Tensor, Tensor, Tensor> contrastive_lse_forward_chunked_cuda(
-    const Tensor& rows, const Tensor& cols, const Tensor& scale, int64_t pos_offset, bool want_col_lse,
-    int64_t workspace_bytes) {
+template <int kRows>
+std::tuple<Tensor, Tensor, Tensor> forward_chunked(const Tensor& rows, const Tensor& cols, const Tensor& scale,
+                                                   int64_t pos_offset, bool want_col_lse, int64_t workspace_bytes) {
   const int64_t M = rows.size(0), K = cols.size(0);
   const int64_t kc = chunked::chunk_columns(M, K, kForwardBytesPerLogit, workspace_bytes);
-  const unsigned gy = row_blocks("contrastive_lse_forward", M);
+  const unsigned gy = row_blocks("contrastive_lse_forward", M, kRows);
   const auto f32 = rows.options().dtype(at::kFloat);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
 
@@ -71,7 +85,7 @@ std::tuple<Tensor, Tensor, Tensor> contrastive_lse_forward_chunked_cuda(
                                   scale.const_data_ptr<float>(), pos_offset, as_states(row_partial),
                                   want_col_lse ? as_states(col_partial) : nullptr,
                                   pos_logit.mutable_data_ptr<float>()};
-    k::chunk_forward_kernel<<<dim3(gx, gy), k::kThreads, 0, stream>>>(p);
+    k::chunk_forward_kernel<kRows><<<dim3(gx, gy), k::kThreads, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const bool last = chunk.begin + chunk.width == K;
     k::merge_row_partials_kernel<<<ceil_div(M, k::kThreads), k::kThreads, 0, stream>>>(
@@ -87,13 +101,23 @@ std::tuple<Tensor, Tensor, Tensor> contrastive_lse_forward_chunked_cuda(
   return {row_lse, pos_logit, col_lse};
 }
 
+}  // namespace
+
+std::tuple<Tensor, Tensor, Tensor> contrastive_lse_forward_chunked_cuda(
+    const Tensor& rows, const Tensor& cols, const Tensor& scale, int64_t pos_offset, bool want_col_lse,
+    int64_t workspace_bytes) {
+  if (forward_rows_per_cta() == k::kForwardRowsNarrow)
+    return forward_chunked<k::kForwardRowsNarrow>(rows, cols, scale, pos_offset, want_col_lse, workspace_bytes);
+  return forward_chunked<k::kForwardRowsWide>(rows, cols, scale, pos_offset, want_col_lse, workspace_bytes);
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor> contrastive_lse_backward_chunked_cuda(
     const Tensor& g_row, const Tensor& g_pos, const Tensor& g_col, const Tensor& rows, const Tensor& cols,
     const Tensor& scale, int64_t pos_offset, const Tensor& row_lse, const Tensor& col_lse,
     int64_t workspace_bytes) {
   const int64_t M = rows.size(0), K = cols.size(0);
   const int64_t kc = chunked::chunk_columns(M, K, 4 + int64_t(rows.element_size()), workspace_bytes);
-  const unsigned gy = row_blocks("contrastive_lse_backward", M);
+  const unsigned gy = row_blocks("contrastive_lse_backward", M, k::kRowsPerCta);
   const auto f32 = rows.options().dtype(at::kFloat);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const bool fp16 = rows.scalar_type() == at::kHalf;

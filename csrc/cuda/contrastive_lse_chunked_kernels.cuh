@@ -2,9 +2,10 @@
 // already written one chunk of raw similarities, dots = rows @ cols[begin : begin + width]^T
 // (M x width, fp32, row-major); these kernels read it once. Torch-free: plain pointers and sizes.
 //
-// Geometry of the two chunk kernels: a CTA of kThreads threads owns kRowsPerCta consecutive rows
-// (blockIdx.y) and the column steps blockIdx.x, blockIdx.x + gridDim.x, ... of kThreads columns
-// each; a thread owns one column of each step, so every warp load reads 128 consecutive bytes.
+// Geometry of the two chunk kernels: a CTA of kThreads threads owns a block of consecutive rows
+// (blockIdx.y; kRowsPerCta rows for the gradient kernel, kRows for the forward kernel) and the
+// column steps blockIdx.x, blockIdx.x + gridDim.x, ... of kThreads columns each; a thread owns one
+// column of each step, so every warp load reads 128 consecutive bytes.
 #pragma once
 
 #include <cstdint>
@@ -16,7 +17,16 @@ namespace chunked_cuda {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-constexpr int kRowsPerCta = 32;  // = warp size: the row reduction leaves row r in lane r
+constexpr int kRowsPerCta = 32;  // rows per CTA of chunk_grad_kernel
+
+// The two variants of chunk_forward_kernel (docs/fused_loss_cuda.md, "Resources per kernel"): 32
+// row states per thread (160 registers: one 256-thread CTA per SM) or 16 (two CTAs per SM, no
+// spills). contrastive_lse_chunked.cu picks one (kDefaultForwardRows there).
+constexpr int kForwardRowsWide = 32;
+constexpr int kForwardRowsNarrow = 16;
+// CTAs per SM that __launch_bounds__ asks the compiler to fit for a forward variant.
+template <int kRows>
+constexpr int kForwardMinCtasPerSm = kRows == kForwardRowsNarrow ? 2 : 1;
 
 using Lse = OnlineLse<float>;
 
@@ -47,17 +57,21 @@ struct GradChunkParams {
   float* partial_bias;     // same layout: sum of dS
 };
 
-// A warp's 32 row states, one set per lane, reduced so that lane r ends with row r's total: at
-// each of 5 steps a lane keeps half of its states and merges in its partner's copy of that half
-// (31 merges per lane instead of 5 x 32). Every index is a compile-time constant (the inner loop
-// has a fixed trip count), so the states stay in registers.
-__device__ __forceinline__ Lse warp_reduce_rows(Lse (&state)[kRowsPerCta]) {
+// A warp's kRows row states, one set per lane, reduced so that lane r (r < kRows) ends with row
+// r's total: at each of log2(kRows) steps a lane keeps half of its states and merges in its
+// partner's copy of that half (kRows - 1 merges per lane instead of log2(kRows) x kRows); lane l
+// then holds row l % kRows over the lanes that agree with it in the low bits, and with kRows < 32
+// the lanes l, l + kRows, ... are folded together by plain xor shuffles. Every index is a
+// compile-time constant (the inner loop has a fixed trip count), so the states stay in registers.
+template <int kRows>
+__device__ __forceinline__ Lse warp_reduce_rows(Lse (&state)[kRows]) {
+  static_assert(kRows == 16 || kRows == 32, "a power of two that divides the warp, >= 16");
   const int lane = threadIdx.x % 32;
 #pragma unroll
-  for (int half = kRowsPerCta / 2; half > 0; half /= 2) {
+  for (int half = kRows / 2; half > 0; half /= 2) {
     const bool upper = (lane & half) != 0;
 #pragma unroll
-    for (int k = 0; k < kRowsPerCta / 2; ++k) {
+    for (int k = 0; k < kRows / 2; ++k) {
       if (k >= half) continue;
       const Lse send = upper ? state[k] : state[k + half];
       Lse keep = upper ? state[k + half] : state[k];
@@ -67,19 +81,27 @@ __device__ __forceinline__ Lse warp_reduce_rows(Lse (&state)[kRowsPerCta]) {
       state[k] = keep;
     }
   }
-  return state[0];
+  Lse total = state[0];
+#pragma unroll
+  for (int offset = kRows; offset < 32; offset *= 2) {
+    const float m = __shfl_xor_sync(0xffffffffu, total.max, offset);
+    const float s = __shfl_xor_sync(0xffffffffu, total.sum, offset);
+    total.merge({m, s});
+  }
+  return total;
 }
 
-// Online row LSE of each of the CTA's rows over its columns, exact column LSE over its rows, and
-// the positives. Two exponentials per logit; the chunk is read once.
-__global__ void __launch_bounds__(kThreads) chunk_forward_kernel(ForwardChunkParams p) {
-  __shared__ Lse warp_rows[kWarps][kRowsPerCta];
-  const int64_t i0 = static_cast<int64_t>(blockIdx.y) * kRowsPerCta;
-  const int rows = static_cast<int>(p.M - i0 < kRowsPerCta ? p.M - i0 : kRowsPerCta);
+// Online row LSE of each of the CTA's kRows rows over its columns, exact column LSE over its
+// rows, and the positives. Two exponentials per logit; the chunk is read once.
+template <int kRows>
+__global__ void __launch_bounds__(kThreads, kForwardMinCtasPerSm<kRows>) chunk_forward_kernel(ForwardChunkParams p) {
+  __shared__ Lse warp_rows[kWarps][kRows];
+  const int64_t i0 = static_cast<int64_t>(blockIdx.y) * kRows;
+  const int rows = static_cast<int>(p.M - i0 < kRows ? p.M - i0 : kRows);
   const float scale = *p.scale;
-  Lse row_state[kRowsPerCta];
+  Lse row_state[kRows];
 #pragma unroll
-  for (int r = 0; r < kRowsPerCta; ++r) row_state[r] = Lse::empty();
+  for (int r = 0; r < kRows; ++r) row_state[r] = Lse::empty();
 
   for (int64_t j0 = static_cast<int64_t>(blockIdx.x) * kThreads; j0 < p.width;
        j0 += static_cast<int64_t>(gridDim.x) * kThreads) {
@@ -89,7 +111,7 @@ __global__ void __launch_bounds__(kThreads) chunk_forward_kernel(ForwardChunkPar
     const int64_t pos_row = p.begin + j - p.pos_offset - i0;  // the row whose positive is column j
     Lse col_state = Lse::empty();
 #pragma unroll
-    for (int r = 0; r < kRowsPerCta; ++r) {  // fully unrolled: row_state stays in registers
+    for (int r = 0; r < kRows; ++r) {  // fully unrolled: row_state stays in registers
       if (r < rows) {
         const float x = scale * column[r * p.width];
         row_state[r].add(x);
@@ -101,7 +123,8 @@ __global__ void __launch_bounds__(kThreads) chunk_forward_kernel(ForwardChunkPar
   }
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  warp_rows[warp][lane] = warp_reduce_rows(row_state);
+  const Lse warp_total = warp_reduce_rows<kRows>(row_state);  // every lane takes part in the shuffles
+  if (lane < kRows) warp_rows[warp][lane] = warp_total;
   __syncthreads();
   if (warp == 0 && lane < rows) {
     Lse total = warp_rows[0][lane];

@@ -1,6 +1,6 @@
 // Runs the chunked path's CUDA kernels (csrc/cuda/contrastive_lse_chunked_kernels.cuh and
 // fp16_prescale.cuh) on the host through emulate_cuda.h, driven chunk by chunk as
-// contrastive_lse_chunked.cu drives them (the GEMMs computed here in double and rounded to fp32,
+// contrastive_lse_chunked.cu drives them (both forward variants: 32 and 16 rows per CTA) (the GEMMs computed here in double and rounded to fp32,
 // as cuBLAS with fp32 output would), and compares every output with a double-precision reference.
 // Build: g++ -std=c++20 -O1 -pthread -I<repo>/csrc/cuda -I<repo>/csrc/include -I<torch>/include
 // Prints one line per case and exits non-zero on any mismatch.
@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <iterator>
 #include <random>
 #include <type_traits>
 
@@ -47,7 +48,7 @@ static const char* name() {
 }
 
 template <typename T>
-static bool run_case(const Case& c, std::mt19937& gen) {
+static bool run_case(const Case& c, std::mt19937& gen, int forward_rows = k::kForwardRowsWide) {
   const int64_t M = c.M, K = c.K, D = c.D;
   std::normal_distribution<float> normal(0.f, 1.f / std::sqrt(static_cast<float>(D)));
   std::vector<T> rows(M * D), cols(K * D);
@@ -74,25 +75,29 @@ static bool run_case(const Case& c, std::mt19937& gen) {
       }
     return dots;
   };
-  const unsigned gy = static_cast<unsigned>(ceil_div(M, k::kRowsPerCta));
+  const unsigned gy = static_cast<unsigned>(ceil_div(M, k::kRowsPerCta));        // gradient kernel
+  const unsigned gy_forward = static_cast<unsigned>(ceil_div(M, forward_rows));  // forward kernel
   auto splits = [&](int64_t width) { return static_cast<unsigned>(std::min<int64_t>(2, ceil_div(width, k::kThreads))); };
 
   // Forward, chunk by chunk.
-  std::vector<k::Lse> running(M, k::Lse::empty()), row_partial(2 * M), col_partial(gy * c.kc);
+  std::vector<k::Lse> running(M, k::Lse::empty()), row_partial(2 * M), col_partial(gy_forward * c.kc);
   std::vector<float> row_lse(M), pos(M, NAN), col_lse(K);
   for (int64_t begin = 0; begin < K; begin += c.kc) {
     const int64_t width = std::min(c.kc, K - begin);
     const std::vector<float> dots = chunk_dots(begin, width);
     const unsigned gx = splits(width);
-    emulate_launch(k::chunk_forward_kernel, dim3{gx, gy, 1}, k::kThreads,
-                   k::ForwardChunkParams{dots.data(), M, width, begin, &scale, c.pos, row_partial.data(),
-                                         c.has_col ? col_partial.data() : nullptr, pos.data()});
+    const k::ForwardChunkParams params{dots.data(), M, width, begin, &scale, c.pos, row_partial.data(),
+                                       c.has_col ? col_partial.data() : nullptr, pos.data()};
+    if (forward_rows == k::kForwardRowsNarrow)
+      emulate_launch(k::chunk_forward_kernel<k::kForwardRowsNarrow>, dim3{gx, gy_forward, 1}, k::kThreads, params);
+    else
+      emulate_launch(k::chunk_forward_kernel<k::kForwardRowsWide>, dim3{gx, gy_forward, 1}, k::kThreads, params);
     const bool last = begin + width == K;
     emulate_launch([&](int) { k::merge_row_partials_kernel(running.data(), row_partial.data(), M, int(gx),
                                                            last ? row_lse.data() : nullptr); },
                    unsigned(ceil_div(M, k::kThreads)), k::kThreads, 0);
     if (c.has_col)
-      emulate_launch([&](int) { k::merge_col_partials_kernel(col_partial.data(), width, int(gy), begin, col_lse.data()); },
+      emulate_launch([&](int) { k::merge_col_partials_kernel(col_partial.data(), width, int(gy_forward), begin, col_lse.data()); },
                      unsigned(ceil_div(width, k::kThreads)), k::kThreads, 0);
   }
   // The bias is added to the outputs (and taken out of the LSEs for the backward) by the caller.
@@ -144,8 +149,8 @@ static bool run_case(const Case& c, std::mt19937& gen) {
 
   bool ok = true;
   char label[160];
-  std::snprintf(label, sizeof label, "chunked %s M=%lld K=%lld D=%lld kc=%lld pos=%lld scale=%g bias=%g col=%d%s%s",
-                name<T>(), (long long)M, (long long)K, (long long)D, (long long)c.kc, (long long)c.pos, scale, c.bias,
+  std::snprintf(label, sizeof label, "chunked %s forward-rows=%d M=%lld K=%lld D=%lld kc=%lld pos=%lld scale=%g bias=%g col=%d%s%s",
+                name<T>(), forward_rows, (long long)M, (long long)K, (long long)D, (long long)c.kc, (long long)c.pos, scale, c.bias,
                 c.has_col, c.realistic ? " realistic-gradients" : "", c.nan_row ? " NaN" : "");
   if (c.nan_row) {  // row 1's LSE, positive and gradient are NaN, and so is every column LSE
     ok &= std::isnan(row_lse[1]) && std::isnan(pos[1]) && std::isnan(grad_rows[1 * D]) && std::isnan(sum_scale);
@@ -187,6 +192,10 @@ int main() {
   for (const Case& c : cases) all &= run_case<float>(c, gen);
   for (const Case& c : cases) all &= run_case<c10::BFloat16>(c, gen);
   for (const Case& c : cases) all &= run_case<c10::Half>(c, gen);
+  // The 16-row forward variant: fp32 only (the forward reads fp32 dots whatever the features' dtype),
+  // every case but the last, whose forward (realistic gradients matter only backward) is the costliest.
+  for (int n = 0; n + 1 < static_cast<int>(std::size(cases)); ++n)
+    all &= run_case<float>(cases[n], gen, k::kForwardRowsNarrow);
   // Control: with realistic gradients, fp16 dlogits without the pre-scale underflow and must fail.
   g_without_prescale = true;
   const bool control_failed = !run_case<c10::Half>(cases[6], gen);
