@@ -1,0 +1,82 @@
+"""siglip_sum with algorithm="torch": the chunked sigmoid loss in PyTorch operations only
+(docs/portable.md).
+
+Per chunk of Kc columns one GEMM gives the raw similarities, l = s * dots + b the logits, and with
+t = -z * l (the chunk's positives negated in place on its diagonal)
+
+    loss += sum softplus(t),    dl = d loss / d l = -z * sigmoid(t)  (sigmoid in place, diagonal negated back),
+
+then, when a gradient will be needed, d scale += sum(dl * dots), d bias += sum(dl), and the two
+gradient GEMMs of s * dl. Like the compiled op (clipshard/siglip_op.py), the gradients of the sum
+are computed in the forward pass and only scaled by the upstream gradient in the backward: three
+GEMMs per chunk instead of the four a recomputing backward needs. What it costs is memory held from
+the forward to the backward: the gradients (M + K) x D, the size of the features themselves, which a
+backward would allocate anyway; the loss is the last step before backward in a training step, so
+the time they are held is short. Per-chunk temporaries, counted against workspace_bytes: the dots,
+the logits and softplus's output (or the dl * dots product), plus dl rounded to 16 bits where the
+GEMMs take 16-bit factors; without a gradient the logits overwrite the dots (two buffers).
+"""
+import torch
+
+from clipshard._portable_chunks import Chunks, GradientGemms, fp16_prescale
+
+
+def _forward(rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype):
+    chunks = Chunks(rows, cols, budget, acc_buffers=3 if with_grad else 2, with_grad_gemms=with_grad)
+    acc = chunks.acc
+    s = scale.to(acc)
+    b = None if bias is None else bias.to(acc)
+    loss = torch.zeros((), dtype=acc, device=rows.device)
+    grad_scale = torch.zeros((), dtype=acc, device=rows.device)
+    grad_bias = torch.zeros((), dtype=acc, device=rows.device)
+    gemms = None
+    if with_grad:
+        # |dl| <= 1, so the GEMMs' s * dl are bounded by |s|
+        prescale = fp16_prescale(s.abs()) if chunks.grad_dtype == torch.float16 else None
+        gemms = GradientGemms(chunks, saved_dtype, prescale)
+    for begin, width in chunks:
+        dots = chunks.dots(begin, width)
+        t = dots * s if with_grad else dots.mul_(s)
+        if b is not None:
+            t.add_(b)
+        diagonal = chunks.positives(t, begin, pos_offset)[2]
+        diagonal.neg_()  # t = -z * l
+        loss += torch.nn.functional.softplus(t).sum()
+        if not with_grad:
+            continue
+        dl = torch.sigmoid_(t)
+        diagonal.neg_()  # dl = -z * sigmoid(t)
+        grad_scale += (dl * dots).sum()
+        del dots
+        grad_bias += dl.sum()
+        gemms.add(dl.mul_(s), begin, width)
+    if not with_grad:
+        return loss, None
+    grad_rows, grad_cols = gemms.results()
+    return loss, (grad_rows, grad_cols, grad_scale.to(scale.dtype), None if bias is None else grad_bias.to(bias.dtype))
+
+
+class _SiglipSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype):
+        loss, grads = _forward(rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype)
+        ctx.feature_dtype = rows.dtype
+        ctx.grads = grads
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grads, ctx.grads = ctx.grads, None
+        if grads is None:
+            raise RuntimeError("siglip_sum: the forward ran without gradients (no input required one under grad "
+                               "mode), so it kept none")
+        # the gradients of the sum times the upstream gradient, 16-bit ones rounded once from fp32
+        dtypes = (ctx.feature_dtype, ctx.feature_dtype) + tuple(None if g is None else g.dtype for g in grads[2:])
+        out = [None if g is None else (g.to(grad_loss.dtype) * grad_loss).to(dtype) for g, dtype in zip(grads, dtypes)]
+        return (*out, None, None, None, None)
+
+
+def siglip_sum_torch(rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype):
+    """siglip_sum's value by the torch path; the arguments were checked by the caller. saved_dtype:
+    the dtype the feature gradients of the sum are kept in until the backward (siglip_op's rule)."""
+    return _SiglipSum.apply(rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype)
