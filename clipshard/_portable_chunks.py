@@ -11,7 +11,7 @@ and its rows of grad_cols with two GEMMs.
 import torch
 
 from clipshard._block_checks import accumulate_dtype
-from clipshard._workspace import chunk_columns
+from clipshard._workspace import COLUMN_QUANTUM, chunk_columns
 
 # (device type, dtype) -> whether torch.mm takes out_dtype=fp32 for 16-bit factors there.
 _FP32_OUTPUT_GEMM = {}
@@ -45,6 +45,12 @@ def fp16_prescale(bound):
     exponent = torch.floor(torch.log2(16384.0 / bound)).clamp(-60.0, 60.0)
     usable = (bound > 0) & torch.isfinite(bound)
     return torch.where(usable, torch.exp2(exponent), torch.ones_like(bound))
+
+
+def rows_per_block(d, budget):
+    """Rows of an n x d tensor per block of elementwise work whose temporaries (two, up to 8 bytes
+    per element) fit `budget` bytes; at least COLUMN_QUANTUM."""
+    return max(COLUMN_QUANTUM, budget // (16 * d))
 
 
 class Chunks:

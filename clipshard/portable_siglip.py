@@ -18,7 +18,7 @@ GEMMs take 16-bit factors; without a gradient the logits overwrite the dots (two
 """
 import torch
 
-from clipshard._portable_chunks import Chunks, GradientGemms, fp16_prescale
+from clipshard._portable_chunks import Chunks, GradientGemms, fp16_prescale, rows_per_block
 
 
 def _forward(rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype):
@@ -60,20 +60,31 @@ class _SiglipSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype):
         loss, grads = _forward(rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype)
+        ctx.with_grad = with_grad
         ctx.feature_dtype = rows.dtype
-        ctx.grads = grads
+        ctx.rows_per_step = rows_per_block(rows.shape[1], budget)
+        ctx.save_for_backward(*(grads or ()))  # freed after the backward, unless retain_graph
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grads, ctx.grads = ctx.grads, None
-        if grads is None:
+        if not ctx.with_grad:
             raise RuntimeError("siglip_sum: the forward ran without gradients (no input required one under grad "
                                "mode), so it kept none")
-        # the gradients of the sum times the upstream gradient, 16-bit ones rounded once from fp32
-        dtypes = (ctx.feature_dtype, ctx.feature_dtype) + tuple(None if g is None else g.dtype for g in grads[2:])
-        out = [None if g is None else (g.to(grad_loss.dtype) * grad_loss).to(dtype) for g, dtype in zip(grads, dtypes)]
-        return (*out, None, None, None, None)
+        grad_rows, grad_cols, grad_scale, grad_bias = ctx.saved_tensors
+        scaled = [_scaled(g, grad_loss, ctx.feature_dtype, ctx.rows_per_step) for g in (grad_rows, grad_cols)]
+        scaled += [None if g is None else (g * grad_loss).to(g.dtype) for g in (grad_scale, grad_bias)]
+        return (*scaled, None, None, None, None)
+
+
+def _scaled(grad, grad_loss, dtype, rows_per_step):
+    """grad * grad_loss in `dtype`, computed in grad_loss's dtype (fp32 or fp64) and rounded once,
+    a block of rows at a time, so that no full-size fp32 temporary is made."""
+    out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+    for begin in range(0, grad.shape[0], rows_per_step):
+        rows = min(rows_per_step, grad.shape[0] - begin)
+        out.narrow(0, begin, rows).copy_(grad.narrow(0, begin, rows).to(grad_loss.dtype) * grad_loss)
+    return out
 
 
 def siglip_sum_torch(rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype):
