@@ -36,6 +36,7 @@ def _forward(rows, cols, scale, bias, pos_offset, want_col_lse, budget):
             col_lse.narrow(0, begin, width).copy_(torch.logsumexp(logits, dim=0))
         first, last, diagonal = chunks.positives(logits, begin, pos_offset)
         pos_logit.narrow(0, first, last - first).copy_(diagonal)
+        del logits, diagonal  # before the next chunk's GEMM allocates its result
     if bias is not None:  # a constant on every logit shifts every output by itself
         b = bias.to(acc)
         row_lse, pos_logit, col_lse = row_lse + b, pos_logit + b, col_lse + b
@@ -83,6 +84,7 @@ def _backward(g_row, g_pos, g_col, rows, cols, scale, bias, pos_offset, row_lse,
             grad_bias += ds.sum()
         if want_features:
             gemms.add(ds.mul_(s), begin, width)
+        del ds  # before the next chunk's GEMM allocates its result
     grad_rows, grad_cols = gemms.results()
     return (grad_rows, grad_cols, grad_scale.to(scale.dtype) if want_scale else None,
             grad_bias.to(bias.dtype) if want_bias else None)

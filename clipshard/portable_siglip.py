@@ -42,14 +42,14 @@ def _forward(rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype
         diagonal = chunks.positives(t, begin, pos_offset)[2]
         diagonal.neg_()  # t = -z * l
         loss += torch.nn.functional.softplus(t).sum()
-        if not with_grad:
-            continue
-        dl = torch.sigmoid_(t)
-        diagonal.neg_()  # dl = -z * sigmoid(t)
-        grad_scale += (dl * dots).sum()
-        del dots
-        grad_bias += dl.sum()
-        gemms.add(dl.mul_(s), begin, width)
+        if with_grad:
+            dl = torch.sigmoid_(t)
+            diagonal.neg_()  # dl = -z * sigmoid(t)
+            grad_scale += (dl * dots).sum()
+            grad_bias += dl.sum()
+            gemms.add(dl.mul_(s), begin, width)
+            del dl
+        del dots, t, diagonal  # before the next chunk's GEMM allocates its result
     if not with_grad:
         return loss, None
     grad_rows, grad_cols = gemms.results()
