@@ -108,48 +108,44 @@ class Chunks:
 
 
 class GradientGemms:
-    """grad_rows = sum over chunks of dlogits @ cols_chunk, grad_cols[chunk] = dlogits^T @ rows, for
-    the logit gradients dlogits (M x width, acc, the logit scale applied) of every chunk.
+    """grad_rows = scale * sum over chunks of ds @ cols_chunk and grad_cols[chunk] = scale * ds^T @
+    rows, for the gradients ds (M x width, acc) of the loss with respect to every chunk's logits.
+    The logit scale multiplies the M x D and Kc x D results, not the M x Kc chunk.
 
-    `prescale` (0-dim fp32, fp16 features only): dlogits are multiplied by it before they are
-    rounded to fp16, and the fp32 GEMM results by its inverse (exact: a power of two). The outputs
-    are rounded once, to out_dtype (rows' dtype unless given). want_rows / want_cols skip a GEMM
-    whose result nobody needs.
+    `prescale` (0-dim fp32, fp16 features only): ds is multiplied by it before it is rounded to
+    fp16, and the fp32 GEMM results by its inverse (exact: a power of two). The outputs are rounded
+    once, to out_dtype. want_rows / want_cols skip a GEMM whose result nobody needs.
     """
 
-    def __init__(self, chunks, out_dtype, prescale=None, want_rows=True, want_cols=True):
+    def __init__(self, chunks, scale, out_dtype, prescale=None, want_rows=True, want_cols=True):
         self.chunks = chunks
         self.prescale = prescale
-        self.unscale = None if prescale is None else 1.0 / prescale
+        self.factor = scale if prescale is None else scale / prescale
         m, d = chunks.rows.shape
         like = chunks.rows
         self.grad_rows = like.new_zeros((m, d), dtype=chunks.acc) if want_rows else None
         self.grad_cols = like.new_empty((chunks.k, d), dtype=out_dtype) if want_cols else None
         self.out_dtype = out_dtype
 
-    def add(self, dlogits, begin, width):
+    def add(self, ds, begin, width):
         chunks = self.chunks
         if chunks.grad_dtype != chunks.acc:
             if self.prescale is not None:
-                dlogits = dlogits.mul_(self.prescale)
-            dlogits = dlogits.to(chunks.grad_dtype)
+                ds = ds.mul_(self.prescale)
+            ds = ds.to(chunks.grad_dtype)
         if self.grad_rows is not None:
             cols_chunk = chunks.cols_chunk(begin, width)
-            if dlogits.dtype == chunks.acc:
-                self.grad_rows.addmm_(dlogits, cols_chunk)
+            if ds.dtype == chunks.acc:
+                self.grad_rows.addmm_(ds, cols_chunk)
             else:
-                self.grad_rows.add_(chunks.mm(dlogits, cols_chunk))
+                self.grad_rows.add_(chunks.mm(ds, cols_chunk))
         if self.grad_cols is not None:
-            part = chunks.mm(dlogits.t(), chunks.rows)
-            if self.unscale is not None:
-                part.mul_(self.unscale)
+            part = chunks.mm(ds.t(), chunks.rows).mul_(self.factor)
             self.grad_cols.narrow(0, begin, width).copy_(part)
 
     def results(self):
         """(grad_rows, grad_cols) in out_dtype (None for a skipped one)."""
         grad_rows = self.grad_rows
         if grad_rows is not None:
-            if self.unscale is not None:
-                grad_rows.mul_(self.unscale)
-            grad_rows = grad_rows.to(self.out_dtype)
+            grad_rows = grad_rows.mul_(self.factor).to(self.out_dtype)
         return grad_rows, self.grad_cols

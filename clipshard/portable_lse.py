@@ -9,10 +9,11 @@ the chunk's diagonal. Backward, per chunk: the chunk is recomputed and
 
     dS = g_row * exp(S - row_lse) + g_col * exp(S - col_lse) + g_pos * [j == pos(i)],
 
-then grad_rows += s dS @ cols_chunk, grad_cols[chunk] = s dS^T @ rows, d scale += sum(dS * dots),
-d bias += sum(dS). Per-chunk temporaries (all counted against workspace_bytes): forward two M x Kc
-buffers (the logits and logsumexp's exp), backward three (the dots, the logits, dS; the last one
-doubling as the dS * dots product) plus dS rounded to 16 bits where the GEMMs take 16-bit factors.
+then grad_rows += dS @ cols_chunk, grad_cols[chunk] = dS^T @ rows (both times s, applied to the
+M x D and Kc x D results), d scale += sum(dS * dots), d bias += sum(dS). Per-chunk temporaries (all
+counted against workspace_bytes): forward two M x Kc buffers (the logits and logsumexp's exp),
+backward three (the dots, dS and the column term, or the dS * dots product) plus dS rounded to 16
+bits where the GEMMs take 16-bit factors.
 
 A torch.autograd.Function rather than a registered op, so that torch.compile can trace into it and
 fuse the per-chunk elementwise work; it has no host synchronisation.
@@ -52,38 +53,40 @@ def _backward(g_row, g_pos, g_col, rows, cols, scale, bias, pos_offset, row_lse,
     acc = chunks.acc
     s = scale.to(acc)
     prescale = None
-    if chunks.grad_dtype == torch.float16:
-        # every |dS| <= max|g_row| + max|g_col| + max|g_pos|; the GEMMs' dlogits are s * dS
+    if chunks.grad_dtype == torch.float16:  # every |dS| <= max|g_row| + max|g_col| + max|g_pos|
         bound = sum((g.abs().max() for g in (g_row, g_col, g_pos) if g is not None and g.numel()),
                     torch.zeros((), dtype=acc, device=rows.device))
-        prescale = fp16_prescale(s.abs() * bound)
-    gemms = GradientGemms(chunks, rows.dtype, prescale, want_rows, want_cols)
+        prescale = fp16_prescale(bound)
+    gemms = GradientGemms(chunks, s, rows.dtype, prescale, want_rows, want_cols)
     grad_scale = torch.zeros((), dtype=acc, device=rows.device)
     grad_bias = torch.zeros((), dtype=acc, device=rows.device)
+    # exp(S - lse) = exp(s * dots + (b - lse)): one pass from the dots to each exponent
+    b = torch.zeros((), dtype=acc, device=rows.device) if bias is None else bias.to(acc)
+    row_shift = (b - row_lse).unsqueeze(1) if g_row is not None else None
+    col_shift = b - col_lse if g_col is not None else None
     for begin, width in chunks:
         dots = chunks.dots(begin, width)
-        logits = dots * s
-        if bias is not None:
-            logits.add_(bias.to(acc))
         ds = None
         if g_row is not None:
-            ds = (logits - row_lse.unsqueeze(1)).exp_().mul_(g_row.unsqueeze(1))
+            ds = torch.addcmul(row_shift, dots, s).exp_().mul_(g_row.unsqueeze(1))
         if g_col is not None:
-            col_term = logits.sub_(col_lse.narrow(0, begin, width)).exp_().mul_(g_col.narrow(0, begin, width))
+            col_term = torch.addcmul(col_shift.narrow(0, begin, width), dots, s).exp_()
+            col_term.mul_(g_col.narrow(0, begin, width))
             ds = col_term if ds is None else ds.add_(col_term)
-        del logits
+            del col_term
         if ds is None:
             ds = torch.zeros_like(dots)
         if g_pos is not None:
             first, last, diagonal = chunks.positives(ds, begin, pos_offset)
             diagonal.add_(g_pos.narrow(0, first, last - first))
+            del diagonal
         if want_scale:
             grad_scale += (ds * dots).sum()
         del dots
         if want_bias:
             grad_bias += ds.sum()
         if want_features:
-            gemms.add(ds.mul_(s), begin, width)
+            gemms.add(ds, begin, width)
         del ds  # before the next chunk's GEMM allocates its result
     grad_rows, grad_cols = gemms.results()
     return (grad_rows, grad_cols, grad_scale.to(scale.dtype) if want_scale else None,

@@ -7,7 +7,7 @@ t = -z * l (the chunk's positives negated in place on its diagonal)
     loss += sum softplus(t),    dl = d loss / d l = -z * sigmoid(t)  (sigmoid in place, diagonal negated back),
 
 then, when a gradient will be needed, d scale += sum(dl * dots), d bias += sum(dl), and the two
-gradient GEMMs of s * dl. Like the compiled op (clipshard/siglip_op.py), the gradients of the sum
+gradient GEMMs of dl (times s, applied to their M x D and Kc x D results). Like the compiled op (clipshard/siglip_op.py), the gradients of the sum
 are computed in the forward pass and only scaled by the upstream gradient in the backward: three
 GEMMs per chunk instead of the four a recomputing backward needs. What it costs is memory held from
 the forward to the backward: the gradients (M + K) x D, the size of the features themselves, which a
@@ -31,14 +31,15 @@ def _forward(rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype
     grad_bias = torch.zeros((), dtype=acc, device=rows.device)
     gemms = None
     if with_grad:
-        # |dl| <= 1, so the GEMMs' s * dl are bounded by |s|
-        prescale = fp16_prescale(s.abs()) if chunks.grad_dtype == torch.float16 else None
-        gemms = GradientGemms(chunks, saved_dtype, prescale)
+        one = torch.ones((), dtype=acc, device=rows.device)
+        prescale = fp16_prescale(one) if chunks.grad_dtype == torch.float16 else None  # |dl| <= 1
+        gemms = GradientGemms(chunks, s, saved_dtype, prescale)
     for begin, width in chunks:
         dots = chunks.dots(begin, width)
-        t = dots * s if with_grad else dots.mul_(s)
-        if b is not None:
-            t.add_(b)
+        if with_grad:  # the dots are needed for d scale: the logits go to a new buffer, in one pass
+            t = torch.addcmul(b, dots, s) if b is not None else dots * s
+        else:
+            t = dots.mul_(s) if b is None else dots.mul_(s).add_(b)
         diagonal = chunks.positives(t, begin, pos_offset)[2]
         diagonal.neg_()  # t = -z * l
         loss += torch.nn.functional.softplus(t).sum()
@@ -47,7 +48,7 @@ def _forward(rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype
             diagonal.neg_()  # dl = -z * sigmoid(t)
             grad_scale += (dl * dots).sum()
             grad_bias += dl.sum()
-            gemms.add(dl.mul_(s), begin, width)
+            gemms.add(dl, begin, width)
             del dl
         del dots, t, diagonal  # before the next chunk's GEMM allocates its result
     if not with_grad:
