@@ -68,10 +68,16 @@ def resolve(op, algorithm, device, names):
     check_algorithm(op, algorithm, names)
     if algorithm != "auto":
         return algorithm
+    return _auto(op, torch.device(device).type)
+
+
+# torch.compile evaluates this once while tracing: the dispatcher query cannot be traced, and the
+# choice (and its warning) belongs to the trace, not to the compiled graph.
+@torch.compiler.assume_constant_result
+def _auto(op, device_type):
     if _forced():
         return "torch"
     operator, compiled = _COMPILED[op]
-    device_type = torch.device(device).type
     if device_type in compiled and has_compiled_kernel(operator, device_type):
         return compiled[device_type]
     _warn_torch_path(device_type)
