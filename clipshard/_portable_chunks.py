@@ -62,8 +62,8 @@ class Chunks:
     with the pre-scale). Elsewhere (the CPU) rows are upcast once (M x D) and each column chunk when
     it is used (Kc x D), and the gradients stay in fp32: O((M + Kc) D) extra, never a K x D copy.
 
-    bytes_per_logit: the caller's per-chunk temporaries (M x Kc buffers, `acc_buffers` of them in
-    acc); one more 16-bit buffer is counted when the logit gradients are rounded to 16 bits. The
+    acc_buffers: how many M x Kc buffers in acc the caller holds at once per chunk; one more 16-bit
+    buffer is counted when with_grad_gemms and the logit gradients are rounded to 16 bits. The
     chunk width is the widest multiple of 128 whose buffers fit `budget` bytes.
     """
 
