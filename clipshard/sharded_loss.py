@@ -12,29 +12,31 @@ so that open_clip's per-rank loss (local_loss=True) is P_r / (2M) and its full-b
   columns come from combining every rank's partial column LSE (NM floats).
 - local: two fused passes, I_r vs T and T_r vs I (both gathered), row LSEs only.
 """
+import functools
+
 import torch
 
 from clipshard import distributed as cdist
 from clipshard.fused_op import contrastive_lse
 
 
-def exchange_partial(image, text, scale, bias, layout):
+def exchange_partial(image, text, scale, bias, layout, algorithm="auto"):
     cols = cdist.gather_rows(text, layout)
-    row_lse, pos, col_part = contrastive_lse(image, cols, scale, bias, layout.offset, True)
+    row_lse, pos, col_part = contrastive_lse(image, cols, scale, bias, layout.offset, True, algorithm=algorithm)
     col_lse = cdist.combine_column_lse(col_part, layout).narrow(0, layout.offset, layout.local_size)
     # S_jj of this rank's column j = offset + i is the positive logit of local row i.
     return (row_lse - pos).sum() + (col_lse - pos).sum()
 
 
-def local_partial(image, text, scale, bias, layout, gather_with_grad=True):
+def local_partial(image, text, scale, bias, layout, gather_with_grad=True, algorithm="auto"):
     all_text = cdist.gather_rows(text, layout, with_grad=gather_with_grad)
     all_image = cdist.gather_rows(image, layout, with_grad=gather_with_grad)
-    image_lse, image_pos, _ = contrastive_lse(image, all_text, scale, bias, layout.offset, False)
-    text_lse, text_pos, _ = contrastive_lse(text, all_image, scale, bias, layout.offset, False)
+    image_lse, image_pos, _ = contrastive_lse(image, all_text, scale, bias, layout.offset, False, algorithm=algorithm)
+    text_lse, text_pos, _ = contrastive_lse(text, all_image, scale, bias, layout.offset, False, algorithm=algorithm)
     return (image_lse - image_pos).sum() + (text_lse - text_pos).sum()
 
 
-def rank_loss(image, text, scale, bias, layout, mode, gather_with_grad):
+def rank_loss(image, text, scale, bias, layout, mode, gather_with_grad, algorithm="auto"):
     """open_clip's local_loss=True loss of this rank, P_r / (2M), with plain autograd.
 
     gather_with_grad=True: the gathers' backward reduce-scatters, so this rank's features receive
@@ -42,15 +44,15 @@ def rank_loss(image, text, scale, bias, layout, mode, gather_with_grad):
     gather_with_grad=False (local mode only): gathered features are constants, as in open_clip.
     """
     if mode == "exchange":
-        partial = exchange_partial(image, text, scale, bias, layout)
+        partial = exchange_partial(image, text, scale, bias, layout, algorithm)
     else:
-        partial = local_partial(image, text, scale, bias, layout, gather_with_grad)
+        partial = local_partial(image, text, scale, bias, layout, gather_with_grad, algorithm)
     return partial / (2 * layout.local_size)
 
 
-def global_loss(image, text, scale, bias, layout, mode, gather_with_grad):
+def global_loss(image, text, scale, bias, layout, mode, gather_with_grad, algorithm="auto"):
     """open_clip's local_loss=False loss, sum_r P_r / (2NM), the same value on every rank."""
-    partial_fn = exchange_partial if mode == "exchange" else local_partial
+    partial_fn = functools.partial(exchange_partial if mode == "exchange" else local_partial, algorithm=algorithm)
     return _GlobalLoss.apply(partial_fn, layout, gather_with_grad, image, text, scale, bias)
 
 
