@@ -70,28 +70,30 @@ class Ranks:
     def leaving_cleanly(self):
         """Runs the body, then leaves the process group, on every path:
         - finished, or refused on every rank (Refusal): the ranks meet at a barrier, then leave
-          together (tearing the group down while another rank still uses it can abort that rank);
-          a refusal exits with status 1 and its message on every rank;
+          together (tearing the group down while another rank still uses it can abort that rank),
+          and from then on ignore SIGTERM; a refusal exits with status 1 and its message;
         - failed on this rank alone (an error, or torchrun's SIGTERM after another rank failed): the
           others cannot meet it at a barrier, so it prints what happened and exits at once with
           status 1, without tearing down the group; its closed connections make the others'
           collectives fail, and they exit the same way."""
         signal.signal(signal.SIGTERM, _raise_terminated)
+        refusal = None
         try:
-            yield
-        except Refusal as refusal:
+            try:
+                yield
+            except Refusal as error:
+                refusal = error
             self._leave_together()
-            raise SystemExit(str(refusal)) from None
         except BaseException as error:  # noqa: BLE001 (every failure must end the process cleanly)
-            if not self.distributed or (isinstance(error, SystemExit) and error.code in (None, 0)):
+            if not self.distributed:
                 raise
             _exiting_now()
             traceback.print_exc()
             print(f"rank {self.rank}: stopped by {type(error).__name__}: {error}", file=sys.stderr, flush=True)
             sys.stdout.flush()
             os._exit(1)
-        else:
-            self._leave_together()
+        if refusal is not None:
+            raise SystemExit(str(refusal))
 
     def _leave_together(self):
         if self.distributed:
