@@ -295,7 +295,7 @@ def _resume_problem(state: dict, config: dict, world_size: int, stop_after: int 
     if state["config"]["world_size"] != world_size:
         return f"--resume: the checkpoint was written by {state['config']['world_size']} ranks, this run has {world_size}"
     if stop_after is not None and stop_after <= state["step"]:
-        return f"--stop-after {stop_after} is not after step {state['step']}, where the run resumes"
+        return f"--resume: --stop-after {stop_after} is not after step {state['step']}, where the run resumes"
     return None
 
 

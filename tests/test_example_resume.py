@@ -8,6 +8,7 @@ of many runs with fake training states on checkpoint.py itself, then with real 2
 import os
 import random
 import re
+import shutil
 import sys
 
 import pytest
@@ -147,6 +148,14 @@ def uninterrupted(tmp_path_factory):
     return out_dir
 
 
+@pytest.fixture(scope="module")
+def stopped_after_7(tmp_path_factory):
+    """A run stopped after step 7: both ranks keep steps 5 and 7. Each test works on a copy."""
+    out_dir = tmp_path_factory.mktemp("stopped")
+    _run(out_dir, "--stop-after", "7")
+    return out_dir
+
+
 def _assert_ends_like(run_dir, whole_dir, steps=12):
     for rank in range(2):
         whole = torch.load(checkpoint_path(whole_dir, rank, steps), weights_only=False)
@@ -155,9 +164,8 @@ def _assert_ends_like(run_dir, whole_dir, steps=12):
             assert_bitwise_equal(whole[key], resumed[key], f"rank {rank} {key}")
 
 
-def test_the_issue_sequence_resumes_from_step_5_twice_and_ends_bitwise_equal(uninterrupted, tmp_path):
-    run = tmp_path
-    _run(run, "--stop-after", "7")
+def test_the_issue_sequence_resumes_from_step_5_twice_and_ends_bitwise_equal(uninterrupted, stopped_after_7, tmp_path):
+    run = shutil.copytree(stopped_after_7, tmp_path / "run")
     os.remove(checkpoint_path(run, 1, 7))  # what rank 1 killed while saving step 7 leaves
     stdout = _run(run, "--resume", "--stop-after", "10")
     assert "resuming from step 5" in stdout and "rank 0: checkpoints of steps [7] set aside" in stdout
@@ -167,10 +175,9 @@ def test_the_issue_sequence_resumes_from_step_5_twice_and_ends_bitwise_equal(uni
     _assert_ends_like(run, uninterrupted)
 
 
-def test_three_interruptions_before_during_and_after_a_save_on_either_rank(uninterrupted, tmp_path):
-    run = tmp_path
+def test_three_interruptions_before_during_and_after_a_save_on_either_rank(uninterrupted, stopped_after_7, tmp_path):
+    run = shutil.copytree(stopped_after_7, tmp_path / "run")
     # 1. Rank 0 killed while writing step 7 (rank 1 had finished it).
-    _run(run, "--stop-after", "7")
     os.remove(checkpoint_path(run, 0, 7))
     with open(checkpoint_path(run, 0, 7) + ".tmp", "wb") as f:
         f.write(b"part of a checkpoint")
