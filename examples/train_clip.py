@@ -25,12 +25,13 @@ import warnings  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from clip_digits.checkpoint import CheckpointError, load_agreed_checkpoint, restore, save_checkpoint, saved_steps  # noqa: E402
+from clip_digits.checkpoint import (CheckpointError, load_agreed_checkpoint, restore, save_checkpoint, saved_steps,  # noqa: E402
+                                    set_aside_later_steps)
 from clip_digits.data import contrastive_loss_floor, load_digits_data, num_train_images, rank_batch  # noqa: E402
 from clip_digits.measure import peak_loss_memory, zero_shot_accuracy  # noqa: E402
 from clip_digits.model import build_model  # noqa: E402
 from clip_digits.precision import HALF_DTYPES, TEXT_PRECISIONS, build_optimizers, optimizer_bytes_per_param  # noqa: E402
-from clip_digits.ranks import Ranks, cuda_fits  # noqa: E402
+from clip_digits.ranks import Ranks, Refusal, cuda_fits  # noqa: E402
 from clip_digits.report import format_table, plot_runs, summary_rows, write_metrics  # noqa: E402
 
 LOSSES = ("clipshard", "open_clip")
@@ -162,6 +163,7 @@ def train(args: argparse.Namespace, ranks: Ranks, out_dir: str, label: str = "",
     Its wall time counts from `started` (default: now)."""
     started = time.perf_counter() if started is None else started
     config = {k: getattr(args, k) for k in RUN_DEFINING}
+    state = _agreed_resume_state(args, ranks, out_dir, config) if args.resume else None
     seed_everything(args.seed, ranks.rank)
     data = load_digits_data()
     device = ranks.device
@@ -176,19 +178,17 @@ def train(args: argparse.Namespace, ranks: Ranks, out_dir: str, label: str = "",
                   for name, opt in optimizers.items()}
     history = {"loss_steps": [], "loss": [], "eval_steps": [], "accuracy": []}
     start_step = 0
-    if args.resume:
-        try:
-            state = load_agreed_checkpoint(out_dir, ranks.rank, ranks.gather)
-        except CheckpointError as error:
-            raise SystemExit(str(error)) from None
-        changed = {k: (state["config"][k], v) for k, v in config.items() if state["config"].get(k) != v}
-        if changed:
-            raise SystemExit(f"--resume: these settings differ from the checkpoint's (saved, given): {changed}")
-        if state["config"]["world_size"] != ranks.world_size:
-            raise SystemExit(f"--resume: the checkpoint was written by {state['config']['world_size']} ranks, "
-                             f"this run has {ranks.world_size}")
+    if state is not None:
         restore(state, model=model, optimizers=optimizers, schedulers=schedulers, generators=generators)
         start_step, history = state["step"], state["history"]
+        # The resumed step is now the head of the run: later checkpoints (an abandoned timeline that
+        # not every rank finished) must never be resumed from nor displace the continuation's own.
+        set_aside = ranks.gather(set_aside_later_steps(out_dir, ranks.rank, start_step))
+        if ranks.rank == 0:
+            print(f"resuming from step {start_step}, the newest step that every rank has")
+            for rank, steps in enumerate(set_aside):
+                if steps:
+                    print(f"rank {rank}: checkpoints of steps {steps} set aside as *.abandoned (not every rank has them)")
     if ranks.distributed:
         model_ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     else:
@@ -273,6 +273,32 @@ def train(args: argparse.Namespace, ranks: Ranks, out_dir: str, label: str = "",
     }
 
 
+def _agreed_resume_state(args: argparse.Namespace, ranks: Ranks, out_dir: str, config: dict) -> dict:
+    """This rank's checkpoint of the newest step that every rank has, checked against this run's
+    flags. A problem on any rank raises Refusal on every rank, with the same message."""
+    try:
+        state = load_agreed_checkpoint(out_dir, ranks.rank, ranks.gather)
+    except CheckpointError as error:
+        raise Refusal(str(error)) from None
+    problems = sorted({p for p in ranks.gather(_resume_problem(state, config, ranks.world_size, args.stop_after))
+                       if p is not None})
+    if problems:
+        raise Refusal("; ".join(problems))
+    return state
+
+
+def _resume_problem(state: dict, config: dict, world_size: int, stop_after: int | None) -> str | None:
+    """Why this run cannot continue from `state`, or None."""
+    changed = {k: (state["config"].get(k), v) for k, v in config.items() if state["config"].get(k) != v}
+    if changed:
+        return f"--resume: these settings differ from the checkpoint's (saved, given): {changed}"
+    if state["config"]["world_size"] != world_size:
+        return f"--resume: the checkpoint was written by {state['config']['world_size']} ranks, this run has {world_size}"
+    if stop_after is not None and stop_after <= state["step"]:
+        return f"--resume: --stop-after {stop_after} is not after step {state['step']}, where the run resumes"
+    return None
+
+
 def _loss_memory_per_rank(args, ranks: Ranks, model, data) -> dict[str, list[int]]:
     """Peak memory of one loss call (forward + backward) on each rank's shard of the last batch, for
     clipshard's loss and (when open_clip is installed) open_clip's."""
@@ -318,8 +344,7 @@ def default_out_dir() -> str:
 def main(argv=None) -> None:
     args = parse_args(argv)
     ranks = Ranks(args.device, args.backend)
-    finished = False
-    try:
+    with ranks.leaving_cleanly():  # a refusal or a failure exits with status 1 and a message
         out_dir = ranks.broadcast(args.out or default_out_dir())  # one folder, named by rank 0's clock
         if ranks.rank == 0:
             os.makedirs(out_dir, exist_ok=True)
@@ -327,9 +352,6 @@ def main(argv=None) -> None:
             _compare(args, ranks, out_dir)
         else:
             _single(args, ranks, out_dir)
-        finished = True
-    finally:
-        ranks.close(finished)
 
 
 def _single(args: argparse.Namespace, ranks: Ranks, out_dir: str) -> None:

@@ -5,13 +5,13 @@ interrupted while being written are refused on every rank or leave the previous 
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+from example_runner import EXAMPLES, TINY_MODEL, assert_bitwise_equal, torchrun_failing, torchrun_ok
+
 sys.path.insert(0, EXAMPLES)
 
 import train_clip  # noqa: E402
@@ -21,8 +21,7 @@ from clip_digits.data import global_batch_indices, load_digits_data, rank_batch 
 from clip_digits.measure import peak_loss_memory  # noqa: E402
 from clip_digits.model import TextEncoder  # noqa: E402
 
-TINY = ["--steps", "6", "--batch-size", "64", "--warmup", "2", "--eval-every", "3", "--checkpoint-every", "2",
-        "--image-width", "8", "--text-width", "16", "--text-layers", "2", "--text-heads", "2", "--embed-dim", "16"]
+TINY = ["--steps", "6", "--batch-size", "64", "--warmup", "2", "--eval-every", "3", "--checkpoint-every", "2", *TINY_MODEL]
 
 
 # ---- flags ------------------------------------------------------------------------------------
@@ -114,24 +113,12 @@ def test_peak_loss_memory_sees_a_materialised_similarity_matrix():
 
 # ---- real 2-rank runs -------------------------------------------------------------------------
 
-def _run_example(out_dir, *extra):
-    """The example on 2 gloo ranks through torchrun; a hang fails through the timeout."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-               os.path.join(EXAMPLES, "train_clip.py"), "--out", str(out_dir), *TINY, *extra]
-    repo = os.path.dirname(EXAMPLES)
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))}
-    return subprocess.run(command, capture_output=True, text=True, timeout=180, env=env)
-
-
 def _torchrun(out_dir, *extra):
-    for attempt in range(2):
-        done = _run_example(out_dir, *extra)
-        # A port picked by torchrun can be taken by another job before the ranks bind it: retry once.
-        if done.returncode == 0 or "address already in use" not in done.stderr.lower():
-            break
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
+    return torchrun_ok(out_dir, *TINY, *extra)
+
+
+def _torchrun_failing(out_dir, *extra):
+    return torchrun_failing(out_dir, *TINY, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -160,8 +147,8 @@ def test_smoke_run_writes_sane_metrics_and_a_plot(uninterrupted):
     # Stochastic rounding with the same bits on every rank keeps the replicas identical.
     states = [torch.load(checkpoint_path(out_dir, r, 6), weights_only=False) for r in range(2)]
     assert any(t.dtype == torch.bfloat16 for t in states[0]["model"].values())
-    _assert_bitwise_equal(states[0]["model"], states[1]["model"], "model")
-    _assert_bitwise_equal(states[0]["optimizers"], states[1]["optimizers"], "optimizers")
+    assert_bitwise_equal(states[0]["model"], states[1]["model"], "model")
+    assert_bitwise_equal(states[0]["optimizers"], states[1]["optimizers"], "optimizers")
 
 
 def test_interrupted_and_resumed_run_matches_the_uninterrupted_one_bitwise(uninterrupted, tmp_path):
@@ -174,40 +161,16 @@ def test_interrupted_and_resumed_run_matches_the_uninterrupted_one_bitwise(unint
         whole = torch.load(checkpoint_path(whole_dir, rank, 6), weights_only=False)
         resumed = torch.load(checkpoint_path(tmp_path, rank, 6), weights_only=False)
         assert whole["step"] == resumed["step"] == 6
-        _assert_bitwise_equal(whole["model"], resumed["model"], "model")
-        _assert_bitwise_equal(whole["optimizers"], resumed["optimizers"], "optimizers")
-        _assert_bitwise_equal(whole["rng"]["generators"], resumed["rng"]["generators"], "rng")
+        assert_bitwise_equal(whole["model"], resumed["model"], "model")
+        assert_bitwise_equal(whole["optimizers"], resumed["optimizers"], "optimizers")
+        assert_bitwise_equal(whole["rng"]["generators"], resumed["rng"]["generators"], "rng")
         assert torch.equal(whole["rng"]["torch"], resumed["rng"]["torch"])
         assert whole["history"] == resumed["history"]
     metrics = json.loads((tmp_path / "metrics.json").read_text())
     assert metrics["resumed_from_step"] == 3
 
 
-def _assert_bitwise_equal(a, b, where):
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _assert_bitwise_equal(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_bitwise_equal(x, y, f"{where}[{i}]")
-    elif torch.is_tensor(a):
-        assert a.dtype == b.dtype and a.shape == b.shape, where
-        as_bytes = lambda t: t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # noqa: E731
-        assert torch.equal(as_bytes(a), as_bytes(b)), where
-    else:
-        assert a == b, where
-
-
 # ---- resume that cannot mix steps, damaged checkpoints ------------------------------------------
-
-def _torchrun_failing(out_dir, *extra):
-    """Runs the example expecting it to refuse; returns its stderr."""
-    done = _run_example(out_dir, *extra)
-    assert done.returncode != 0, done.stdout[-3000:]
-    return done.stderr
-
 
 @pytest.fixture(scope="module")
 def stopped_at_4(tmp_path_factory):
@@ -237,8 +200,8 @@ def test_resume_with_ranks_at_different_steps_takes_the_newest_common_step(stopp
     for rank in range(2):
         whole = torch.load(checkpoint_path(whole_dir, rank, 6), weights_only=False)
         resumed = torch.load(checkpoint_path(run, rank, 6), weights_only=False)
-        _assert_bitwise_equal(whole["model"], resumed["model"], "model")
-        _assert_bitwise_equal(whole["optimizers"], resumed["optimizers"], "optimizers")
+        assert_bitwise_equal(whole["model"], resumed["model"], "model")
+        assert_bitwise_equal(whole["optimizers"], resumed["optimizers"], "optimizers")
         assert whole["history"] == resumed["history"]
     assert json.loads((run / "metrics.json").read_text())["resumed_from_step"] == 2
 

@@ -8,6 +8,13 @@ half-written checkpoint under the final name. Each rank keeps its last two check
 killed while saving step s leaves the others with s and itself with the step before, and a resume
 picks the newest step that every rank has (`agree_on_step`), or refuses on every rank. The data
 position needs no state of its own: batch `step` is a pure function of (seed, step, rank).
+
+A resume from step s makes s the head of the run's history: before training, every rank renames
+its checkpoints of later steps (the abandoned timeline, which not every rank finished) to
+rank{r}-step{t}.pt.abandoned (`set_aside_later_steps`), a name that resume never reads, and the
+continuation's first save on that rank deletes them. So retention only ever sees the continuation's
+own steps, and one interruption at any moment, repeated any number of times, still leaves a step
+that every rank has.
 """
 import os
 import random
@@ -18,6 +25,8 @@ import torch
 
 KEEP = 2  # checkpoints kept per rank
 _NAME = re.compile(r"rank(\d+)-step(\d+)\.pt")
+ABANDONED = ".abandoned"  # suffix of checkpoints set aside by a resume from an earlier step
+_LEFTOVER = re.compile(r"rank(\d+)-step(\d+)\.pt(\.abandoned|\.tmp)")  # files that resume never reads
 _KEYS = ("step", "config", "model", "optimizers", "schedulers", "rng", "history")
 
 
@@ -67,7 +76,12 @@ def _write_durably(state: dict, path: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(temporary, path)
-    folder = os.open(os.path.dirname(path), os.O_RDONLY)
+    _sync_folder(os.path.dirname(path))
+
+
+def _sync_folder(path: str) -> None:
+    """fsync a folder: makes the renames in it durable."""
+    folder = os.open(path, os.O_RDONLY)
     try:
         os.fsync(folder)
     finally:
@@ -90,7 +104,30 @@ def save_checkpoint(out_dir: str, rank: int, *, step: int, config: dict, model: 
     _write_durably(state, path)
     for old in saved_steps(out_dir, rank)[:-KEEP]:
         os.remove(checkpoint_path(out_dir, rank, old))
+    for name in _leftovers(out_dir, rank):  # set aside by a resume, or half-written by a killed save
+        os.remove(os.path.join(checkpoint_dir(out_dir), name))
     return path
+
+
+def _leftovers(out_dir: str, rank: int) -> list[str]:
+    """This rank's files that resume never reads: abandoned checkpoints and temporary files."""
+    matches = [_LEFTOVER.fullmatch(name) for name in os.listdir(checkpoint_dir(out_dir))]
+    return sorted(m.group(0) for m in matches if m and int(m.group(1)) == rank)
+
+
+def set_aside_later_steps(out_dir: str, rank: int, step: int) -> list[int]:
+    """Makes `step`, which the run resumes from, the newest of this rank's checkpoints: renames those
+    of later steps to a name that resume never reads (rank{r}-step{t}.pt.abandoned), so that they
+    can neither be chosen by a later resume nor count towards the two checkpoints kept. Returns the
+    steps set aside. A kill half-way changes nothing that matters: the files not yet renamed were
+    not common to all ranks, so the next resume agrees on `step` again and renames the rest."""
+    later = [s for s in saved_steps(out_dir, rank) if s > step]
+    for s in later:
+        path = checkpoint_path(out_dir, rank, s)
+        os.replace(path, path + ABANDONED)
+    if later:
+        _sync_folder(checkpoint_dir(out_dir))
+    return later
 
 
 def agree_on_step(steps_per_rank: list[list[int]], out_dir: str) -> int:

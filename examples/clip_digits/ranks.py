@@ -1,6 +1,10 @@
 """Who this process is among the ranks (torchrun's environment), and the few collectives the
 example needs beyond the loss. Without torchrun the example runs as a single rank."""
+import contextlib
 import os
+import signal
+import sys
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -9,6 +13,19 @@ import torch.distributed as dist
 def cuda_fits() -> bool:
     """Whether every rank on this machine can have a GPU of its own (NCCL needs that)."""
     return torch.cuda.is_available() and torch.cuda.device_count() >= int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+
+
+class Refusal(Exception):
+    """A reason to stop that every rank raises at the same point, after the ranks exchanged what
+    each found (so the message is the same everywhere): they can still leave the group together."""
+
+
+class Terminated(Exception):
+    """SIGTERM, as an exception that the shutdown handling sees."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated("SIGTERM (torchrun stops every rank when one fails; or the run was cancelled)")
 
 
 class Ranks:
@@ -49,10 +66,43 @@ class Ranks:
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
-    def close(self, finished: bool):
-        """Leaves the process group; waits for the other ranks only after a clean finish (a rank
-        that failed must not hang here: torchrun stops the others)."""
+    @contextlib.contextmanager
+    def leaving_cleanly(self):
+        """Runs the body, then leaves the process group, on every path:
+        - finished, or refused on every rank (Refusal): the ranks meet at a barrier, then leave
+          together (tearing the group down while another rank still uses it can abort that rank),
+          and from then on ignore SIGTERM; a refusal exits with status 1 and its message;
+        - failed on this rank alone (an error, or torchrun's SIGTERM after another rank failed): the
+          others cannot meet it at a barrier, so it prints what happened and exits at once with
+          status 1, without tearing down the group; its closed connections make the others'
+          collectives fail, and they exit the same way."""
+        signal.signal(signal.SIGTERM, _raise_terminated)
+        refusal = None
+        try:
+            try:
+                yield
+            except Refusal as error:
+                refusal = error
+            self._leave_together()
+        except BaseException as error:  # noqa: BLE001 (every failure must end the process cleanly)
+            if not self.distributed:
+                raise
+            _exiting_now()
+            traceback.print_exc()
+            print(f"rank {self.rank}: stopped by {type(error).__name__}: {error}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(1)
+        if refusal is not None:
+            raise SystemExit(str(refusal))
+
+    def _leave_together(self):
         if self.distributed:
-            if finished:
-                dist.barrier()
+            dist.barrier()
             dist.destroy_process_group()
+        _exiting_now()
+
+
+def _exiting_now():
+    """From here the process only exits: torchrun's SIGTERM, sent to the ranks still running when one
+    exits with an error (a refusal included), must not cut short an exit already under way."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
