@@ -150,6 +150,10 @@ class AdamW(Optimizer):
             updates.append((group, todo))
         return updates
 
+    # Under torch.compile the step runs eagerly (one graph break): it is one fused custom op per
+    # bucket already, and tracing its per-parameter Python bookkeeping would only add guards and
+    # recompiles (one per parameter object).
+    @torch._dynamo.disable
     @torch.no_grad()
     def step(self, closure=None):
         """One AdamW update of every parameter with a gradient, as torch.optim.AdamW computes it

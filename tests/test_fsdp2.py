@@ -10,6 +10,8 @@ reduction order differs):
 - a DCP checkpoint saved on 2 ranks, loaded on 1 and on 3: the continuation is bitwise the
   uninterrupted run.
 Each world size starts once and runs several cases (process start-up dominates on 2 cores)."""
+import io
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -238,6 +240,18 @@ def _load_and_continue(world_size, tmp, param_dtype, state_dtype):
     return _snapshot(model, opt)
 
 
+def _as_bytes(result):
+    """Tensors go back to the parent serialised (a queue would pass shared-memory handles that die
+    with the rank's process)."""
+    buffer = io.BytesIO()
+    torch.save(result, buffer)
+    return buffer.getvalue()
+
+
+def _run(fn, world_size, *args):
+    return [torch.load(io.BytesIO(b)) for b in run_group(fn, world_size, *args, timeout=240)]
+
+
 def _on_ranks(rank, world_size, tmp_root, save):
     from torch.distributed.tensor import DTensor
     result = {"fp32_worst": _fp32_against_torch(world_size)}
@@ -254,11 +268,12 @@ def _on_ranks(rank, world_size, tmp_root, save):
         tmp = f"{tmp_root}/{param_dtype}"
         run = _save_and_continue if save else _load_and_continue
         result["checkpoint", param_dtype] = run(world_size, tmp, param_dtype, state_dtype)
-    return result
+    return _as_bytes(result)
 
 
 def _load_only(rank, world_size, tmp_root):
-    return {("checkpoint", p): _load_and_continue(world_size, f"{tmp_root}/{p}", p, s) for p, s in CONFIGS[:2]}
+    return _as_bytes({("checkpoint", p): _load_and_continue(world_size, f"{tmp_root}/{p}", p, s)
+                      for p, s in CONFIGS[:2]})
 
 
 def _assert_same_bits(got, want, what):
@@ -271,9 +286,9 @@ def _assert_same_bits(got, want, what):
 
 def test_fsdp2_on_2_then_1_and_3_ranks_bitwise_equals_unsharded(tmp_path):
     want = unsharded_runs()
-    saved = run_group(_on_ranks, 2, str(tmp_path), True, timeout=240)
-    resumed = run_group(_on_ranks, 3, str(tmp_path), False, timeout=240)
-    resumed_on_one = run_group(_load_only, 1, str(tmp_path), timeout=120)
+    saved = _run(_on_ranks, 2, str(tmp_path), True)
+    resumed = _run(_on_ranks, 3, str(tmp_path), False)
+    resumed_on_one = _run(_load_only, 1, str(tmp_path))
     for world_size, results in ((2, saved), (3, resumed)):
         for rank, result in enumerate(results):
             print(f"  {world_size} ranks, rank {rank}: fp32 max relative difference to torch.optim.AdamW "
