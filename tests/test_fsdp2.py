@@ -7,6 +7,7 @@ reduction order differs):
 - mixed groups (a plain parameter, a Replicate() DTensor, FSDP2 shards) and uneven shards (a first
   dimension no world size divides, a 1-element parameter: empty shards);
 - a Partial DTensor raises naming the parameter before anything is updated;
+- optimizer.state_dict() of an unsharded run, and of a sharded one, loads into a sharded optimizer;
 - a DCP checkpoint saved on 2 ranks, loaded on 1 and on 3: the continuation is bitwise the
   uninterrupted run.
 Each world size starts once and runs several cases (process start-up dominates on 2 cores)."""
@@ -240,6 +241,27 @@ def _load_and_continue(world_size, tmp, param_dtype, state_dtype):
     return _snapshot(model, opt)
 
 
+def _plain_state_dicts_load(world_size):
+    """optimizer.state_dict() of an unsharded run loads into a sharded optimizer (each rank keeps its
+    slice), and a sharded optimizer's own state_dict() (DTensors) loads into a fresh one: the full
+    moments are bitwise the saved ones."""
+    dtype = torch.bfloat16
+    plain = _model(dtype)
+    plain_opt = _optimizer(plain, dtype)
+    _train(plain, plain_opt, dtype, range(SAVE_AT))
+    model, opt = _sharded(world_size, dtype, dtype)
+    opt.load_state_dict(plain_opt.state_dict())
+    again, again_opt = _sharded(world_size, dtype, dtype)
+    again_opt.load_state_dict(opt.state_dict())
+    for loaded, loaded_model in ((opt, model), (again_opt, again)):
+        for p, q in zip(loaded_model.parameters(), plain.parameters()):
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert isinstance(loaded.state[p][key], type(p)), key  # a DTensor like the parameter
+                assert torch.equal(_full(loaded.state[p][key]).view(torch.int16),
+                                   plain_opt.state[q][key].view(torch.int16)), key
+            assert loaded.state[p]["step"].item() == SAVE_AT
+
+
 def _as_bytes(result):
     """Tensors go back to the parent serialised (a queue would pass shared-memory handles that die
     with the rank's process)."""
@@ -264,6 +286,7 @@ def _on_ranks(rank, world_size, tmp_root, save):
             result["bytes", param_dtype] = _bytes_per_parameter(model, opt)
     _mixed_groups(rank, world_size)
     _partial_raises(world_size)
+    _plain_state_dicts_load(world_size)
     for param_dtype, state_dtype in CONFIGS[:2]:
         tmp = f"{tmp_root}/{param_dtype}"
         run = _save_and_continue if save else _load_and_continue
