@@ -16,6 +16,8 @@ from torch.optim import Optimizer
 
 from clipshard._checks import check_bool, check_generator
 from clipshard._random import draw_seed_offset
+from clipshard.optim_dtensor import check_dtensor_param, index_base, is_dtensor, local, state_in_param_layout, \
+    zeros_state_like
 from clipshard.rounding import stochastic_round
 
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -25,7 +27,7 @@ _NAME = "clipshard.optim.AdamW"
 
 @torch.library.register_fake("clipshard::adamw_step_")
 def _adamw_step_fake(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay,
-                     maximize, stochastic_rounding, seed, offset):
+                     maximize, stochastic_rounding, seed, offset, tensor_numbers=None, index_bases=None):
     return None
 
 
@@ -76,8 +78,14 @@ class AdamW(Optimizer):
         stochastic_rounding: round 16-bit results stochastically (default) or to nearest even.
         generator: torch.Generator on the parameters' device for the rounding's random bits
             (default: torch's default generator, so torch.manual_seed makes runs reproducible).
+            With sharded (DTensor) parameters, give every rank a generator in the same state (for
+            example torch.Generator().manual_seed(s) with the same s) so that the weights do not
+            depend on the world size.
+    DTensor parameters (FSDP2's fully_shard): Replicate() and Shard(0) placements on any mesh; each
+    rank updates its local shard, the state tensors are DTensors placed like the parameter, and
+    every element's random bits come from its index in the full parameter (docs/optimizer.md).
     Not supported (clear errors): amsgrad=True, sparse gradients, tensor lr, parameters that are
-    not fp32/fp16/bf16 (fp64, complex, integer) or not contiguous.
+    not fp32/fp16/bf16 (fp64, complex, integer) or not contiguous, other DTensor placements.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, *,
@@ -115,10 +123,37 @@ class AdamW(Optimizer):
     def _init_state(self, p, state, group):
         state_dtype = group["state_dtype"] or (p.dtype if p.dtype in _HALF_DTYPES else torch.float32)
         state["step"] = torch.tensor(0.0, dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype, memory_format=torch.contiguous_format)
-        state[second_moment_key(state_dtype)] = torch.zeros_like(
-            p, dtype=state_dtype, memory_format=torch.contiguous_format)
+        state["exp_avg"] = zeros_state_like(p, state_dtype)
+        state[second_moment_key(state_dtype)] = zeros_state_like(p, state_dtype)
 
+    def _updates(self):
+        """Checks every group and every parameter with a gradient before anything is updated, and
+        returns, per group, (tensor number, parameter) for the parameters to update. A parameter's
+        tensor number, which picks its random streams, is its position in all groups' parameter
+        lists, whether or not it has a gradient: the same on every rank and for any sharding."""
+        updates, number = [], 0
+        for group in self.param_groups:
+            _check_group(group)
+            todo = []
+            for i, p in enumerate(group["params"]):
+                if p.grad is not None:
+                    name = _param_name(group, i, number, p)
+                    grad = p.grad
+                    if grad.is_sparse:
+                        raise RuntimeError(f"{_NAME}: sparse gradients are not supported ({name})")
+                    if grad.dtype != p.dtype or grad.shape != p.shape:
+                        raise ValueError(f"{_NAME}: the gradient of {name} must have the parameter's dtype and "
+                                         f"shape, got {grad.dtype} {tuple(grad.shape)}")
+                    check_dtensor_param(f"{_NAME}: {name}", p, grad)
+                    todo.append((number, p))
+                number += 1
+            updates.append((group, todo))
+        return updates
+
+    # Under torch.compile the step runs eagerly (one graph break): it is one fused custom op per
+    # bucket already, and tracing its per-parameter Python bookkeeping would only add guards and
+    # recompiles (one per parameter object).
+    @torch._dynamo.disable
     @torch.no_grad()
     def step(self, closure=None):
         """One AdamW update of every parameter with a gradient, as torch.optim.AdamW computes it
@@ -127,33 +162,31 @@ class AdamW(Optimizer):
         The update is computed in fp32; 16-bit parameters and moments are written back with
         stochastic rounding (round-to-nearest with stochastic_rounding=False), with random bits
         drawn from `generator` (default: torch's default generator). Parameters without .grad
-        are skipped; their state is created on their first step. closure: as in torch, re-evaluates
-        the model and returns the loss, which step then returns (else None)."""
+        are skipped; their state is created on their first step. DTensor parameters: each rank
+        updates its local shard. Everything is checked before any parameter is updated. closure:
+        as in torch, re-evaluates the model and returns the loss, which step then returns (else None)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            _check_group(group)
+        for group, todo in self._updates():
             buckets = {}  # (device, param dtype, state dtype) -> lists for one fused call
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = p.grad
-                if grad.is_sparse:
-                    raise RuntimeError(f"{_NAME}: sparse gradients are not supported")
+            for number, p in todo:
                 state = self.state[p]
                 if len(state) == 0:
                     self._init_state(p, state, group)
                 exp_avg = state["exp_avg"]
                 exp_avg_sq = state[second_moment_key(exp_avg.dtype)]
                 state["step"] = state["step"] + 1  # a new tensor: a loaded state dict may share the old one
-                lists = buckets.setdefault((p.device, p.dtype, exp_avg.dtype), ([], [], [], [], []))
-                for target, value in zip(lists, (p, grad.contiguous(), exp_avg, exp_avg_sq,
-                                                 int(state["step"].item()))):
+                lists = buckets.setdefault((p.device, p.dtype, exp_avg.dtype), tuple([] for _ in range(8)))
+                values = (local(p), local(p.grad).contiguous(), local(exp_avg), local(exp_avg_sq),
+                          int(state["step"].item()), number, index_base(p),
+                          [t for t in (p, exp_avg, exp_avg_sq) if is_dtensor(t)])
+                for target, value in zip(lists, values):
                     target.append(value)
             beta1, beta2 = group["betas"]
-            for (device, param_dtype, state_dtype), (ps, gs, ms, vs, steps) in buckets.items():
+            for (device, param_dtype, state_dtype), (ps, gs, ms, vs, steps, numbers, bases, wrappers) in \
+                    buckets.items():
                 random = group["stochastic_rounding"] and (
                     param_dtype in _HALF_DTYPES or state_dtype in _HALF_DTYPES)
                 if random:
@@ -162,10 +195,11 @@ class AdamW(Optimizer):
                 torch.ops.clipshard.adamw_step_(
                     ps, gs, ms, vs, steps, float(group["lr"]), float(beta1), float(beta2),
                     float(group["eps"]), float(group["weight_decay"]), group["maximize"],
-                    group["stochastic_rounding"], seed, offset)
+                    group["stochastic_rounding"], seed, offset, numbers, bases)
                 # The kernel writes through pointers: tell autograd, as torch's optimizers' in-place
-                # ops do, so that a graph which saved a parameter raises instead of using new values.
-                torch.autograd.graph.increment_version(ps + ms + vs)
+                # ops do, so that a graph which saved a parameter raises instead of using new values
+                # (DTensors and their local shards each have a version counter).
+                torch.autograd.graph.increment_version(ps + ms + vs + [t for ts in wrappers for t in ts])
         return loss
 
     def load_state_dict(self, state_dict):
@@ -185,17 +219,29 @@ class AdamW(Optimizer):
                 self.state[p] = loaded[saved_id]
 
 
+def _param_name(group, index, number, p):
+    """How errors name a parameter: its name when the optimizer was given named parameters."""
+    names = group.get("param_names")
+    shape = f"shape {tuple(p.shape)}"
+    return f"parameter {names[index]!r} ({shape})" if names else f"parameter #{number} ({shape})"
+
+
 def _loaded_state(index, param, saved):
-    """A copy of one parameter's saved state, on the parameter's device, in the form step() uses."""
+    """A copy of one parameter's saved state, laid out as the parameter (on its device; a DTensor
+    placed like a DTensor parameter, see optim_dtensor.state_in_param_layout), in the form step() uses."""
     where = f"{_NAME}.load_state_dict: the state of parameter {index} (shape {tuple(param.shape)})"
-    state = {key: value.to(device=param.device, copy=True).contiguous() if torch.is_tensor(value) else value
-             for key, value in saved.items()}
+    state = dict(saved)
     if not state:
         return state
     missing = [key for key in ("step", "exp_avg") if key not in state]
     if missing:
         raise ValueError(f"{where} lacks {missing} (found {sorted(state)})")
-    state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+    step = state["step"]
+    step = step.full_tensor() if is_dtensor(step) else step
+    state["step"] = torch.tensor(float(step), dtype=torch.float32)
+    for key, value in state.items():
+        if torch.is_tensor(value) and key != "step":
+            state[key] = state_in_param_layout(f"{where}: {key}", value, param)
     exp_avg = state["exp_avg"]
     if not torch.is_tensor(exp_avg) or exp_avg.dtype not in _PARAM_DTYPES:
         raise ValueError(f"{where}: exp_avg must be a float32, bfloat16 or float16 tensor, got "

@@ -1,6 +1,7 @@
 // Validation of clipshard::adamw_step_'s arguments (shared by the CPU and CUDA kernels).
 #include "adamw_args.h"
 
+#include <algorithm>
 #include <cmath>
 
 namespace clipshard {
@@ -35,6 +36,7 @@ AdamWArgs make_adamw_args(at::TensorList params, at::TensorList grads, at::Tenso
                           at::TensorList exp_avg_sqs, at::IntArrayRef steps, double lr, double beta1,
                           double beta2, double eps, double weight_decay, bool maximize,
                           bool stochastic_rounding, int64_t seed, int64_t offset,
+                          at::OptionalIntArrayRef tensor_numbers, at::OptionalIntArrayRef index_bases,
                           at::DeviceType device_type) {
   const size_t n = params.size();
   TORCH_CHECK(grads.size() == n && exp_avgs.size() == n && exp_avg_sqs.size() == n && steps.size() == n,
@@ -42,6 +44,16 @@ AdamWArgs make_adamw_args(at::TensorList params, at::TensorList grads, at::Tenso
               n, ", ", grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size(), " and ", steps.size());
   TORCH_CHECK(static_cast<int64_t>(n) * 3 <= kMaxStreams, "adamw_step_: at most ", kMaxStreams / 3,
               " tensors per call, got ", n);
+  TORCH_CHECK(!tensor_numbers.has_value() || tensor_numbers->size() == n, "adamw_step_: tensor_numbers must ",
+              "have one entry per tensor (", n, "), got ", tensor_numbers->size());
+  TORCH_CHECK(!index_bases.has_value() || index_bases->size() == n, "adamw_step_: index_bases must have one ",
+              "entry per tensor (", n, "), got ", index_bases->size());
+  if (tensor_numbers.has_value()) {
+    std::vector<int64_t> sorted(tensor_numbers->begin(), tensor_numbers->end());
+    std::sort(sorted.begin(), sorted.end());
+    TORCH_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(),
+                "adamw_step_: tensor_numbers must be distinct (each tensor has its own random streams)");
+  }
   TORCH_CHECK(lr >= 0.0 && std::isfinite(lr), "adamw_step_: lr must be finite and >= 0, got ", lr);
   TORCH_CHECK(beta1 >= 0.0 && beta1 < 1.0, "adamw_step_: beta1 must be in [0, 1), got ", beta1);
   TORCH_CHECK(beta2 >= 0.0 && beta2 < 1.0, "adamw_step_: beta2 must be in [0, 1), got ", beta2);
@@ -75,8 +87,13 @@ AdamWArgs make_adamw_args(at::TensorList params, at::TensorList grads, at::Tenso
     check_like(grads[i], p, param_dtype, "grads", i);
     check_like(exp_avgs[i], p, state_dtype, "exp_avgs", i);
     check_like(exp_avg_sqs[i], p, state_dtype, "exp_avg_sqs", i);
-    TORCH_CHECK(p.numel() < (int64_t(1) << (kStreamShift + 2)), "adamw_step_: params[", i, "] has ",
-                p.numel(), " elements, more than the 2^42 the random streams allow");
+    const int64_t number = tensor_numbers.has_value() ? (*tensor_numbers)[i] : static_cast<int64_t>(i);
+    const int64_t base = index_bases.has_value() ? (*index_bases)[i] : 0;
+    TORCH_CHECK(number >= 0 && number < kMaxStreams / 3, "adamw_step_: tensor_numbers[", i, "] must be in [0, ",
+                kMaxStreams / 3, "), got ", number);
+    TORCH_CHECK(base >= 0 && base < (int64_t(1) << (kStreamShift + 2)) - p.numel(), "adamw_step_: index_bases[",
+                i, "] must be >= 0 with index_bases[", i, "] + numel < 2^42 (the elements the random streams ",
+                "allow), got ", base, " for ", p.numel(), " elements");
     TORCH_CHECK(steps[i] >= 1, "adamw_step_: steps[", i, "] must be >= 1 (the step being taken), got ", steps[i]);
     const double t = static_cast<double>(steps[i]);
     a.params.push_back(p.data_ptr());
@@ -84,6 +101,8 @@ AdamWArgs make_adamw_args(at::TensorList params, at::TensorList grads, at::Tenso
     a.exp_avgs.push_back(exp_avgs[i].data_ptr());
     a.exp_avg_sqs.push_back(exp_avg_sqs[i].data_ptr());
     a.numel.push_back(p.numel());
+    a.index_base.push_back(base);
+    a.stream.push_back(static_cast<uint32_t>(3 * number));
     a.neg_step_size.push_back(static_cast<float>(-(lr / (1.0 - std::pow(beta1, t)))));
     a.bc2_sqrt.push_back(static_cast<float>(std::sqrt(1.0 - std::pow(beta2, t))));
   }

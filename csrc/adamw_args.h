@@ -14,6 +14,8 @@ struct AdamWArgs {
   std::vector<void*> params, exp_avgs, exp_avg_sqs;
   std::vector<const void*> grads;
   std::vector<int64_t> numel;
+  std::vector<int64_t> index_base;  // per tensor: global index of its element 0 (a shard's offset)
+  std::vector<uint32_t> stream;     // per tensor: 3 * its tensor number (the stream of the param)
   std::vector<float> neg_step_size, bc2_sqrt;  // per tensor: -lr / (1 - beta1^t), sqrt(1 - beta2^t)
   AdamWHyper hyper;
   Storage param_storage, state_storage;
@@ -26,6 +28,7 @@ AdamWArgs make_adamw_args(at::TensorList params, at::TensorList grads, at::Tenso
                           at::TensorList exp_avg_sqs, at::IntArrayRef steps, double lr, double beta1,
                           double beta2, double eps, double weight_decay, bool maximize,
                           bool stochastic_rounding, int64_t seed, int64_t offset,
+                          at::OptionalIntArrayRef tensor_numbers, at::OptionalIntArrayRef index_bases,
                           at::DeviceType device_type);
 
 // Calls fn(std::integral_constant<Storage, P>{}, std::integral_constant<Storage, S>{}).

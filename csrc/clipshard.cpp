@@ -24,11 +24,15 @@ TORCH_LIBRARY(clipshard, m) {
   // One AdamW step over lists of tensors sharing a device, a param dtype (fp32/fp16/bf16) and a state
   // dtype (docs/optimizer.md). Updates params, exp_avgs and exp_avg_sqs in place; steps[i] is the
   // step being taken for tensor i (>= 1). fp16 exp_avg_sqs hold v^(1/4). 16-bit outputs are rounded
-  // stochastically with Philox(seed, offset), one stream per (tensor, role), or to nearest even.
+  // stochastically with Philox(seed, offset), one stream per (tensor number, role), or to nearest
+  // even. tensor_numbers (distinct; default 0, 1, ...) and index_bases (default 0) place each tensor
+  // in the random streams: a shard of a larger parameter passes the parameter's number and the
+  // global index of its first element, and draws the bits the unsharded parameter would.
   m.def(
       "adamw_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, Tensor(c!)[] exp_avg_sqs, "
       "int[] steps, float lr, float beta1, float beta2, float eps, float weight_decay, bool maximize, "
-      "bool stochastic_rounding, int seed, int offset) -> ()");
+      "bool stochastic_rounding, int seed, int offset, int[]? tensor_numbers=None, "
+      "int[]? index_bases=None) -> ()");
 
   // Fused similarity + online log-sum-exp (docs/fused_loss.md). S = scale * rows @ cols^T (+ bias).
   // Forward: row_lse[i] = logsumexp_j S[i, j]; pos_logit[i] = S[i, pos_offset + i]; col_lse[j] =

@@ -232,6 +232,9 @@ for pd in dtypes:
             vs = [(torch.rand(n, generator=gen) * 1e-2).to(sd) for n in sizes]
             torch.ops.clipshard.adamw_step_(ps, gs, ms, vs, [4] * len(sizes), 1e-2, 0.9, 0.99, 1e-8, 0.1, False,
                                             stochastic, 5, 6)
+            # again as shards of larger parameters: index bases of every residue mod 4
+            torch.ops.clipshard.adamw_step_(ps, gs, ms, vs, [5] * len(sizes), 1e-2, 0.9, 0.99, 1e-8, 0.1, False,
+                                            stochastic, 7, 8, [7, 2, 9, 4], [1, 6, 3, 16387])
             out += ps + ms + vs
 torch.save(out, sys.argv[1])
 """

@@ -1,5 +1,6 @@
 """clipshard.optim.AdamW on CUDA: the multi-tensor kernel against the CPU kernel (bitwise, same
-seed and offset), against torch.optim.AdamW in fp32, and reproducibility. Skipped without a GPU."""
+seed and offset, tensor numbers and index bases, NaN and Inf included), against torch.optim.AdamW
+in fp32, and reproducibility. Skipped without a GPU."""
 import pytest
 import torch
 
@@ -46,9 +47,12 @@ def test_cuda_step_equals_cpu_step_bitwise(param_dtype, state_dtype, stochastic,
     exp_avgs = [_random(n, state_dtype, gen) for n in sizes]
     exp_avg_sqs = [_random(n, state_dtype, gen, positive=True) for n in sizes]
     steps = [int(s) for s in torch.randint(1, 1000, (count,), generator=gen)]
+    # shards of larger parameters: tensor numbers out of order, index bases of every residue mod 4
+    numbers = torch.randperm(3 * count, generator=gen)[:count].tolist()
+    bases = [int(b) for b in torch.randint(0, 1 << 30, (count,), generator=gen)]
     cpu = [[_place(t, "cpu", misaligned) for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs)]
     cuda = [[_place(t, "cuda", misaligned) for t in ts] for ts in (params, grads, exp_avgs, exp_avg_sqs)]
-    args = (1e-3, 0.9, 0.999, 1e-8, 0.01, False, stochastic, 0x1234_5678_9ABC, -77)
+    args = (1e-3, 0.9, 0.999, 1e-8, 0.01, False, stochastic, 0x1234_5678_9ABC, -77, numbers, bases)
     torch.ops.clipshard.adamw_step_(*cpu, steps, *args)
     torch.ops.clipshard.adamw_step_(*cuda, steps, *args)
     torch.cuda.synchronize()
@@ -56,6 +60,26 @@ def test_cuda_step_equals_cpu_step_bitwise(param_dtype, state_dtype, stochastic,
         for i, (a, b) in enumerate(zip(on_cpu, on_cuda)):
             bits = torch.int32 if a.dtype == torch.float32 else torch.int16
             assert torch.equal(a.view(bits), b.cpu().view(bits)), f"role {role}, tensor {i} ({a.numel()} elements)"
+
+
+@pytest.mark.parametrize("stochastic", [True, False])
+@pytest.mark.parametrize("param_dtype,state_dtype", [
+    (p, s) for p in (torch.float32,) + HALF for s in (torch.float32,) + HALF])
+def test_cuda_nan_and_inf_give_the_cpu_bits_and_the_canonical_nan(param_dtype, state_dtype, stochastic):
+    """The CPU test's NaN / Inf weights and gradients (tests/test_optim_shards.py): CUDA writes the
+    same bits, every NaN the canonical one (NVIDIA's arithmetic NaN is 0x7FFFFFFF)."""
+    from test_optim_shards import ARGS, CANONICAL_NAN, _bits, _special_inputs
+    p, g, m, v, _ = _special_inputs(param_dtype, state_dtype)
+    cpu = [[t.clone()] for t in (p, g, m, v)]
+    cuda = [[t.cuda()] for t in (p, g, m, v)]
+    for tensors in (cpu, cuda):
+        torch.ops.clipshard.adamw_step_(*tensors, [3], *ARGS, stochastic, 1, 2)
+    torch.cuda.synchronize()
+    for role, (a, b) in enumerate(zip(cpu, cuda)):
+        assert torch.equal(_bits(a[0]), _bits(b[0].cpu())), role
+        if role != 1:  # (the gradient is read only)
+            nan_bits = _bits(b[0].cpu())[torch.isnan(b[0].cpu())]
+            assert nan_bits.numel() > 0 and (nan_bits == CANONICAL_NAN[b[0].dtype]).all(), role
 
 
 def test_cuda_fp32_matches_torch_fused_adamw():

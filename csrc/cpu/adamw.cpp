@@ -50,7 +50,7 @@ template <Storage S, bool kStochastic>
 __attribute__((always_inline)) inline void store_one(void* base, int64_t i, float x, const uint32_t* random,
                                                      int64_t j) {
   if constexpr (S == Storage::kFloat) {
-    static_cast<float*>(base)[i] = x;
+    static_cast<float*>(base)[i] = canonical_float(x);
   } else {
     static_cast<uint16_t*>(base)[i] = round_to_storage<S>(x, kStochastic ? random[j] : 0u, kStochastic);
   }
@@ -133,17 +133,20 @@ struct TensorStep {
   void* m;
   void* v;
   float neg_step_size, bc2_sqrt;
-  uint64_t stream;  // 3 * tensor number: the stream of the parameter; + 1, + 2 for the moments
+  uint64_t stream;      // 3 * tensor number: the stream of the parameter; + 1, + 2 for the moments
+  uint64_t index_base;  // global index of element 0 (any value: a shard may start mid Philox block)
 };
 
-// Elements [begin, end) of one tensor (begin a multiple of 4), in blocks of kBlock: the Philox
-// words of the block for each stochastically rounded output, a widening loop, the update, and a
-// narrowing loop (the two loops vectorise in the AVX2 / AVX-512 clones).
+// Elements [begin, end) of one tensor, in blocks of kBlock: the Philox words of the block for each
+// stochastically rounded output, a widening loop, the update, and a narrowing loop (the two loops
+// vectorise in the AVX2 / AVX-512 clones). Local element b + j has global index
+// index_base + b + j and takes word (index_base + b) % 4 + j of the words generated from Philox
+// block (index_base + b) / 4 on: one block more than kBlock / 4 when the start is not aligned.
 template <Storage P, Storage S, bool kStochastic>
 __attribute__((always_inline)) inline void step_range(const TensorStep& t, int64_t begin, int64_t end,
                                                       const AdamWHyper& h, uint64_t seed,
                                                       uint64_t offset) {
-  alignas(64) uint32_t rp[kBlock], rm[kBlock], rv[kBlock];
+  alignas(64) uint32_t rp[kBlock + 4], rm[kBlock + 4], rv[kBlock + 4];
   alignas(64) float p[kBlock], g[kBlock], m[kBlock], v[kBlock];
   void* const p_base = t.p;
   const void* const g_base = t.g;
@@ -151,9 +154,12 @@ __attribute__((always_inline)) inline void step_range(const TensorStep& t, int64
   void* const v_base = t.v;
   for (int64_t b = begin; b < end; b += kBlock) {
     const int64_t n = std::min(kBlock, end - b);
+    int64_t lead = 0;  // words of the first Philox block that belong to elements before b
     if constexpr (kStochastic) {
-      const int64_t blocks = (n + 3) / 4;
-      const uint64_t first = static_cast<uint64_t>(b) >> 2;
+      const uint64_t global = t.index_base + static_cast<uint64_t>(b);
+      const uint64_t first = global >> 2;
+      lead = static_cast<int64_t>(global & 3u);
+      const int64_t blocks = (lead + n + 3) / 4;
       if constexpr (P != Storage::kFloat) philox_words(seed, offset, stream_block(t.stream, 0) + first, blocks, rp);
       if constexpr (S != Storage::kFloat) {
         philox_words(seed, offset, stream_block(t.stream + 1, 0) + first, blocks, rm);
@@ -172,9 +178,9 @@ __attribute__((always_inline)) inline void step_range(const TensorStep& t, int64
     update_block<S == Storage::kHalf>(p, g, m, v, n, h, t.neg_step_size, t.bc2_sqrt);
 #pragma omp simd
     for (int64_t j = 0; j < n; ++j) {
-      store_one<P, kStochastic>(p_base, b + j, p[j], rp, j);
-      store_one<S, kStochastic>(m_base, b + j, m[j], rm, j);
-      store_one<S, kStochastic>(v_base, b + j, v[j], rv, j);
+      store_one<P, kStochastic>(p_base, b + j, p[j], rp, lead + j);
+      store_one<S, kStochastic>(m_base, b + j, m[j], rm, lead + j);
+      store_one<S, kStochastic>(v_base, b + j, v[j], rv, lead + j);
     }
   }
 }
@@ -249,7 +255,7 @@ void adamw_cpu(const AdamWArgs& a) {
   std::vector<Chunk> chunks;
   for (int64_t t = 0; t < static_cast<int64_t>(a.numel.size()); ++t) {
     tensors.push_back({a.params[t], a.grads[t], a.exp_avgs[t], a.exp_avg_sqs[t], a.neg_step_size[t],
-                       a.bc2_sqrt[t], 3 * static_cast<uint64_t>(t)});
+                       a.bc2_sqrt[t], a.stream[t], static_cast<uint64_t>(a.index_base[t])});
     for (int64_t b = 0; b < a.numel[t]; b += kChunk) {
       chunks.push_back({t, b, std::min(a.numel[t], b + kChunk)});
     }
@@ -266,10 +272,11 @@ void adamw_cpu(const AdamWArgs& a) {
 void adamw_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                     at::TensorList exp_avg_sqs, at::IntArrayRef steps, double lr, double beta1,
                     double beta2, double eps, double weight_decay, bool maximize,
-                    bool stochastic_rounding, int64_t seed, int64_t offset) {
+                    bool stochastic_rounding, int64_t seed, int64_t offset,
+                    at::OptionalIntArrayRef tensor_numbers, at::OptionalIntArrayRef index_bases) {
   const AdamWArgs a = make_adamw_args(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2,
                                       eps, weight_decay, maximize, stochastic_rounding, seed, offset,
-                                      at::kCPU);
+                                      tensor_numbers, index_bases, at::kCPU);
   adamw_cpu(a);
 }
 

@@ -13,7 +13,8 @@
 // x86-64 baseline has no FMA instruction anyway). sqrt and division are
 // correctly rounded on both, so the CPU and CUDA results agree bit for bit.
 //
-// Storage: fp32 as is; bf16 and fp16 rounded stochastically (stochastic_rounding.h) or to nearest
+// Storage: fp32 as is except that any NaN is stored as the canonical NaN 0x7FC00000
+// (stochastic_rounding.h: the hardware decides a computed NaN's sign and payload); bf16 and fp16 rounded stochastically (stochastic_rounding.h) or to nearest
 // even. An fp16 second moment is stored as v^(1/4) (see docs/optimizer.md for the measurement that
 // chose it): v from 1e-16 to 1e8 becomes 1e-4 .. 1e2, well inside fp16's normal range.
 #include <cmath>
@@ -108,11 +109,12 @@ CLIPSHARD_HOST_DEVICE float bfloat16_bits_to_float(uint16_t b) {
   return bits_to_float(static_cast<uint32_t>(b) << 16);
 }
 
-// Round-to-nearest-even fp32 -> fp16 / bf16 bits, integer-only (NaN handled as the SR rule does).
+// Round-to-nearest-even fp32 -> fp16 / bf16 bits, integer-only (any NaN gives the canonical NaN, as
+// in the SR rule).
 CLIPSHARD_HOST_DEVICE uint16_t rn_float_to_half_bits(uint32_t bits) {
   const uint32_t sign16 = (bits >> 16) & 0x8000u;
   const uint32_t mag = bits & 0x7fffffffu;
-  if (mag > 0x7f800000u) return static_cast<uint16_t>(sign16 | 0x7e00u | ((mag >> 13) & 0x03ffu));
+  if (mag > 0x7f800000u) return kCanonicalNaNHalfBits;
   if (mag >= 0x477ff000u) return static_cast<uint16_t>(sign16 | 0x7c00u);  // >= 65520 -> Inf
   uint32_t kept, dropped, half;
   if (mag >= 0x38800000u) {  // fp16 normal: drop 13 bits
@@ -134,7 +136,7 @@ CLIPSHARD_HOST_DEVICE uint16_t rn_float_to_half_bits(uint32_t bits) {
 CLIPSHARD_HOST_DEVICE uint16_t rn_float_to_bfloat16_bits(uint32_t bits) {
   const uint32_t sign16 = (bits >> 16) & 0x8000u;
   const uint32_t mag = bits & 0x7fffffffu;
-  if (mag > 0x7f800000u) return static_cast<uint16_t>(sign16 | 0x7fc0u | ((mag >> 16) & 0x007fu));
+  if (mag > 0x7f800000u) return kCanonicalNaNBFloat16Bits;
   uint32_t kept = mag >> 16;
   const uint32_t dropped = mag & 0xffffu;
   kept += (dropped > 0x8000u || (dropped == 0x8000u && (kept & 1u))) ? 1u : 0u;
@@ -151,16 +153,24 @@ CLIPSHARD_HOST_DEVICE uint16_t round_to_storage(float x, uint32_t r, bool stocha
   return stochastic ? sr_float_to_bfloat16_bits(bits, r, /*saturate=*/false) : rn_float_to_bfloat16_bits(bits);
 }
 
+// A stored fp32 value: x, or the canonical NaN when x is a NaN.
+CLIPSHARD_HOST_DEVICE float canonical_float(float x) {
+  return bits_to_float(canonical_nan_float_bits(float_to_bits(x)));
+}
+
 template <Storage S>
 CLIPSHARD_HOST_DEVICE float storage_to_float(uint16_t bits) {
   return S == Storage::kHalf ? half_bits_to_float(bits) : bfloat16_bits_to_float(bits);
 }
 
 // Random streams. One call draws (seed, offset); the stored 16-bit tensor of role `role` (0 = param,
-// 1 = exp_avg, 2 = exp_avg_sq) of the call's tensor number `tensor` uses stream 3 * tensor + role,
-// and its element i uses word i % 4 of Philox(key = seed, counter = (stream * 2^40 + i / 4, offset)).
-// Distinct streams therefore use disjoint Philox counters: independent bits. Limits: 2^42 elements
-// per tensor, 2^24 streams per call.
+// 1 = exp_avg, 2 = exp_avg_sq) of tensor number `tensor` (given per tensor by the caller: the
+// parameter's position in the optimizer, whatever the sharding) uses stream 3 * tensor + role, and
+// its element with global index i (the element's index in the full, unsharded parameter: the
+// shard's index base + its local index) uses word i % 4 of
+// Philox(key = seed, counter = (stream * 2^40 + i / 4, offset)). A shard therefore draws exactly
+// the words the unsharded tensor would, and distinct streams use disjoint Philox counters:
+// independent bits. Limits: 2^42 elements per full tensor, 2^24 streams per call.
 constexpr int kStreamShift = 40;
 constexpr int64_t kMaxStreams = int64_t(1) << 24;
 CLIPSHARD_HOST_DEVICE uint64_t stream_block(uint64_t stream, uint64_t element) {

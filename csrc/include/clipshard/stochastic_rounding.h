@@ -8,11 +8,28 @@
 // P(round up) = d / 2^k, the dropped fraction, so E[SR(x)] = x. A carry out of the mantissa moves to
 // the next binade and, past the largest finite value, to Inf (or to the largest finite value when
 // `saturate`). NaN stays NaN, +-Inf stays +-Inf (or saturates), +-0 keeps its sign.
+//
+// Every NaN becomes the one canonical NaN of its format, the positive quiet NaN with an empty
+// payload (Python's float('nan'), torch.nan, ARM's default NaN): fp32 0x7FC00000, fp16 0x7E00,
+// bf16 0x7FC0. Sign and payload of a NaN depend on the hardware that produced it (x86 arithmetic
+// gives 0xFFC00000, NVIDIA GPUs 0x7FFFFFFF), so keeping them would make CPU and CUDA results differ.
 #include <cstdint>
 
 #include "clipshard/macros.h"
 
 namespace clipshard {
+
+constexpr uint32_t kCanonicalNaNFloatBits = 0x7fc00000u;
+constexpr uint16_t kCanonicalNaNHalfBits = 0x7e00u;
+constexpr uint16_t kCanonicalNaNBFloat16Bits = 0x7fc0u;
+
+// True for the fp32 bits of any NaN (either sign, any payload).
+CLIPSHARD_HOST_DEVICE bool is_nan_bits(uint32_t bits) { return (bits & 0x7fffffffu) > 0x7f800000u; }
+
+// fp32 bits with any NaN replaced by the canonical one (a select: CPU loops over it vectorise).
+CLIPSHARD_HOST_DEVICE uint32_t canonical_nan_float_bits(uint32_t bits) {
+  return is_nan_bits(bits) ? kCanonicalNaNFloatBits : bits;
+}
 
 // True when a k-bit dropped value d (0 <= d < 2^k, and d < 2^24 in every use) rounds up for
 // random word r: (r mod 2^k) < d for k < 32, else r < d >> (k - 32), the top 32 bits of d (0 once
@@ -48,9 +65,8 @@ CLIPSHARD_HOST_DEVICE uint16_t sr_float_to_half_bits(uint32_t bits, uint32_t r, 
   out = (saturate && out > kHalfMax) ? kHalfMax : out;
   // |x| >= 65536 (the grid point after 65504) or Inf: Inf, or the largest finite when saturating.
   out = mag >= 0x47800000u ? (saturate ? kHalfMax : kHalfInf) : out;
-  // NaN: a quiet NaN keeping the sign and the top payload bits.
-  out = mag > 0x7f800000u ? (kHalfInf | 0x0200u | ((mag >> 13) & 0x03ffu)) : out;
-  return static_cast<uint16_t>(sign16 | out);
+  const uint32_t signed_out = sign16 | out;
+  return static_cast<uint16_t>(is_nan_bits(bits) ? kCanonicalNaNHalfBits : signed_out);
 }
 
 // fp32 bits -> bf16 bits: bf16 is the top half of fp32, so k = 16 everywhere (subnormals too).
@@ -61,9 +77,8 @@ CLIPSHARD_HOST_DEVICE uint16_t sr_float_to_bfloat16_bits(uint32_t bits, uint32_t
   uint32_t out = (mag >> 16) + (sr_round_up(r, mag & 0xffffu, 16) ? 1u : 0u);  // carry: next binade / Inf
   out = (saturate && out > kBf16Max) ? kBf16Max : out;
   out = mag == 0x7f800000u ? (saturate ? kBf16Max : kBf16Inf) : out;
-  // NaN: quiet, keeping the sign and the top payload bits (never becomes Inf).
-  out = mag > 0x7f800000u ? (kBf16Inf | 0x0040u | ((mag >> 16) & 0x007fu)) : out;
-  return static_cast<uint16_t>(sign16 | out);
+  const uint32_t signed_out = sign16 | out;  // (a NaN never becomes Inf: it is replaced here)
+  return static_cast<uint16_t>(is_nan_bits(bits) ? kCanonicalNaNBFloat16Bits : signed_out);
 }
 
 }  // namespace clipshard
