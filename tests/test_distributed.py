@@ -301,7 +301,7 @@ def test_errors_without_group():
         clipshard.ClipLoss(use_horovod=True)
     with pytest.raises(RuntimeError, match="world_size=2 but torch.distributed is not initialised"):
         clipshard.ClipLoss(rank=0, world_size=2)(image, text, scale)
-    with pytest.raises(ValueError, match="mode must be 'exchange', 'local' or None, got 'both'"):
+    with pytest.raises(ValueError, match="mode must be 'exchange', 'local', 'ring' or None, got 'both'"):
         clipshard.ClipLoss(mode="both")
     with pytest.raises(ValueError, match="mode='exchange' cannot reproduce"):
         clipshard.ClipLoss(local_loss=True, gather_with_grad=False, mode="exchange")

@@ -1,0 +1,178 @@
+"""Ring mode of the sharded CLIP loss (docs/distributed.md): the text blocks travel around the ring of
+ranks instead of being all-gathered, so a rank never holds more than a few M x D blocks.
+
+Rank r keeps its image rows I_r. At step k = 0 .. N-1 it holds the text block T_q of rank
+q = (r - k) mod N: it received it from rank r - 1 and passes it on to rank r + 1 while it calls the
+fused op on the block S_rq = s * I_r @ T_q^T (+ b), so the next block is in flight during the
+current block's work (two block buffers). Every similarity is computed once per pass.
+
+Forward:
+- the block's row LSEs are folded into I_r's row LSE (logaddexp, in step order);
+- the block's partial column LSE over I_r (K_q floats) is folded into an accumulator that travels
+  with T_q, one step behind it; after visiting every rank it is the full column LSE of q's columns,
+  C_q[j] = logsumexp_r c_rq[j], and its last hop delivers it to q. O(NM) floats per rank in all.
+- the positives S_ii come from the own block (step 0).
+Backward (recomputation): the op's backward on each block with the FULL row LSE of I_r and the FULL
+column LSE C_q, which travels with T_q together with its owner's upstream gradient g_C_q. Then each
+block's dS_ij = g_row_i exp(S_ij - rowLSE_i) + g_C_j exp(S_ij - C_j) (+ g_pos on the diagonal of the
+own block), which is exactly the gradient of the loss through the folds and the combine. The
+gradient of I_r accumulates locally; that of T_q accumulates in a buffer that travels with the block
+(fp32 for 16-bit features) and arrives at its owner after N hops.
+
+Each rank's per-block work and its logit_scale / logit_bias gradient are those of exchange mode
+(the same row block, cut into N column blocks), so ring mode gives exchange mode's results.
+"""
+import torch
+import torch.distributed as dist
+
+from clipshard._workspace import workspace_bytes
+from clipshard.fused_op import contrastive_lse, resolve_algorithm
+
+# gloo matches point-to-point messages by (peer, tag): blocks and travelling buffers use their own
+# tags (NCCL ignores tags and matches in issue order, which is the same on every rank).
+_BLOCK_TAG, _TRAVEL_TAG = 1, 2
+
+
+class _Ring:
+    """This rank's neighbours: it sends to the next rank and receives from the previous one."""
+
+    def __init__(self, layout):
+        n, r = layout.world_size, layout.rank
+        self.group = layout.group
+        self.next = dist.get_global_rank(layout.group, (r + 1) % n)
+        self.prev = dist.get_global_rank(layout.group, (r - 1) % n)
+
+    def shift(self, sends, receive_into, tag):
+        """Start sending every tensor of `sends` to the next rank and receiving into the buffers
+        `receive_into` from the previous rank; returns a handle for `wait`."""
+        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in receive_into]
+        # the tensors must stay alive until the transfer is done: keep them with the works
+        return dist.batch_isend_irecv(ops), sends
+
+    @staticmethod
+    def wait(handle):
+        if handle is not None:
+            for work in handle[0]:
+                work.wait()
+
+
+def _block_rank(layout, step):
+    """The rank whose text block this rank holds at `step`."""
+    return (layout.rank - step) % layout.world_size
+
+
+def _transposed(image, block, own):
+    """The op needs pos_offset + M <= K: a foreign block with fewer columns than I_r has rows is
+    computed as S^T (rows T_q, columns I_r; the roles of the row and column LSEs swap)."""
+    return not own and block.shape[0] < image.shape[0]
+
+
+def _block_forward(image, block, scale, bias, own):
+    """(row LSE part [M], positives [M] (own block only, else None), column LSE part [K])."""
+    if _transposed(image, block, own):
+        col, _, row = contrastive_lse(block, image, scale, bias, 0, True)
+        return row, None, col
+    row, pos, col = contrastive_lse(image, block, scale, bias, 0, True)
+    return row, (pos if own else None), col
+
+
+def _block_backward(image, block, scale, bias, row_lse, col_lse, g_row, g_pos, g_col, own, options):
+    """(d image, d block, d scale, d bias) of one block given the full LSEs and their gradients."""
+    backward = torch.ops.clipshard.contrastive_lse_backward
+    if _transposed(image, block, own):
+        no_pos = g_col.new_zeros(block.shape[0])
+        d_block, d_image, d_scale, d_bias = backward(g_col, no_pos, g_row, block, image, scale, bias, 0,
+                                                     col_lse, row_lse, *options)
+        return d_image, d_block, d_scale, d_bias
+    if not own:
+        g_pos = g_row.new_zeros(image.shape[0])
+    return backward(g_row, g_pos, g_col, image, block, scale, bias, 0, row_lse, col_lse, *options)
+
+
+class _RingLSE(torch.autograd.Function):
+    """(row LSE of I_r over all columns, positives of I_r, full column LSE of this rank's columns)."""
+
+    @staticmethod
+    def forward(ctx, image, text, scale, bias, layout):
+        ring, n, sizes = _Ring(layout), layout.world_size, layout.sizes
+        image, block = image.contiguous(), text.contiguous()
+        incoming_column = None  # travelling column-LSE accumulator, in flight from the previous rank
+        column_handle = None
+        for step in range(n):
+            block_handle = None
+            if step < n - 1:  # the next block travels while this one is computed
+                next_block = text.new_empty(sizes[_block_rank(layout, step + 1)], text.shape[1])
+                block_handle = ring.shift([block], [next_block], _BLOCK_TAG)
+            row, own_pos, col = _block_forward(image, block, scale, bias, own=step == 0)
+            if step == 0:
+                row_lse, pos, column = row, own_pos, col
+            else:
+                row_lse = torch.logaddexp(row_lse, row)
+                ring.wait(column_handle)
+                column = torch.logaddexp(incoming_column, col)
+            # pass the accumulator on; receive the one of the block this rank holds next (after the
+            # last step: the finished column LSE of this rank's own columns)
+            incoming_column = col.new_empty(sizes[_block_rank(layout, step + 1)])
+            column_handle = ring.shift([column], [incoming_column], _TRAVEL_TAG)
+            ring.wait(block_handle)
+            if step < n - 1:
+                block = next_block
+        ring.wait(column_handle)
+        col_lse = incoming_column
+        ctx.save_for_backward(image, text, scale, bias, row_lse, col_lse)
+        ctx.layout = layout
+        return row_lse, pos, col_lse
+
+    @staticmethod
+    def backward(ctx, g_row, g_pos, g_col):
+        image, text, scale, bias, row_lse, col_lse = ctx.saved_tensors
+        layout = ctx.layout
+        ring, n, sizes = _Ring(layout), layout.world_size, layout.sizes
+        g_row = torch.zeros_like(row_lse) if g_row is None else g_row.contiguous()
+        g_pos = torch.zeros_like(row_lse) if g_pos is None else g_pos.contiguous()
+        g_col = torch.zeros_like(col_lse) if g_col is None else g_col.contiguous()
+        options = (resolve_algorithm("clip_loss", "auto", image.device), workspace_bytes("clip_loss", image.device),
+                   torch.are_deterministic_algorithms_enabled())
+        grad_dtype = torch.promote_types(text.dtype, torch.float32)  # fp32 accumulation for 16-bit
+        # what travels ahead with a text block: the block, its full column LSE and its owner's gradient
+        block, column = text.contiguous(), torch.stack([col_lse, g_col])
+        d_image = torch.zeros(image.shape, dtype=grad_dtype, device=image.device)
+        d_scale = torch.zeros((), dtype=torch.float64, device=image.device)
+        d_bias = torch.zeros((), dtype=torch.float64, device=image.device)
+        incoming_grad, grad_handle = None, None
+        for step in range(n):
+            block_handle = None
+            if step < n - 1:
+                k_next = sizes[_block_rank(layout, step + 1)]
+                next_block = text.new_empty(k_next, text.shape[1])
+                next_column = column.new_empty(2, k_next)
+                block_handle = ring.shift([block, column], [next_block, next_column], _BLOCK_TAG)
+            di, dt, ds, db = _block_backward(image, block, scale, bias, row_lse, column[0], g_row, g_pos,
+                                             column[1], step == 0, options)
+            d_image += di
+            d_scale += ds.double()
+            d_bias += db.double()
+            if step == 0:
+                travelling = dt.to(grad_dtype)
+            else:
+                ring.wait(grad_handle)
+                travelling = incoming_grad.add_(dt)
+            incoming_grad = travelling.new_empty(sizes[_block_rank(layout, step + 1)], text.shape[1])
+            grad_handle = ring.shift([travelling], [incoming_grad], _TRAVEL_TAG)
+            ring.wait(block_handle)
+            if step < n - 1:
+                block, column = next_block, next_column
+        ring.wait(grad_handle)
+        grads = (d_image.to(image.dtype), incoming_grad.to(text.dtype),
+                 d_scale.to(scale.dtype).reshape(scale.shape),
+                 None if bias is None else d_bias.to(bias.dtype).reshape(bias.shape))
+        return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:4])) + (None,)
+
+
+def ring_partial(image, text, scale, bias, layout):
+    """This rank's partial P_r (sharded_loss's notation) in ring mode: exchange_partial's value and
+    gradients, without gathering the text features."""
+    row_lse, pos, col_lse = _RingLSE.apply(image, text, scale, bias, layout)
+    # S_jj of this rank's column j = offset + i is the positive logit of local row i.
+    return (row_lse - pos).sum() + (col_lse - pos).sum()
