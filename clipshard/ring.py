@@ -158,6 +158,7 @@ class _RingLSE(torch.autograd.Function):
             else:
                 ring.wait(grad_handle)
                 travelling = incoming_grad.add_(dt)
+            del di, dt  # not alive during the next block's work
             incoming_grad = travelling.new_empty(sizes[_block_rank(layout, step + 1)], text.shape[1])
             grad_handle = ring.shift([travelling], [incoming_grad], _TRAVEL_TAG)
             ring.wait(block_handle)
