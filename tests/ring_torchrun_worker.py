@@ -13,7 +13,7 @@ SIZES = (7, 5)  # unequal local batches: the blocks travel in both orientations
 
 def ring_case(rank, world_size):
     """Loss and gradients of ring mode (local_loss True and False, fp32 with logit_bias), and exchange
-    mode's for reference, on a fixed global batch."""
+    mode's for reference, on a fixed global batch; as numpy arrays (they pickle by value)."""
     gen = torch.Generator().manual_seed(11)
     total, dim = sum(SIZES), 16
     image = torch.nn.functional.normalize(torch.randn(total, dim, generator=gen), dim=1)
@@ -26,7 +26,7 @@ def ring_case(rank, world_size):
                       torch.tensor(20.0, requires_grad=True), torch.tensor(-1.0, requires_grad=True)]
             loss = clipshard.clip_loss(*leaves, local_loss=local_loss, mode=mode)
             (loss * (1.0 + rank)).backward()
-            out[mode, local_loss] = [loss.detach()] + [t.grad for t in leaves]
+            out[mode, local_loss] = [loss.detach().numpy()] + [t.grad.numpy() for t in leaves]
     return out
 
 

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import torch
 
 from dist_utils import free_port, run_group
@@ -39,11 +40,11 @@ def test_ring_across_two_torchrun_nodes_equals_single_launch(tmp_path):
         assert node.returncode == 0, log
     single = run_group(ring_case, 2, timeout=60)
     for rank in (0, 1):
-        multi = torch.load(tmp_path / f"rank{rank}.pt")
+        multi = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
         assert multi.keys() == single[rank].keys()
         for key, tensors in single[rank].items():
             for name, want, got in zip(["loss", "image", "text", "scale", "bias"], tensors, multi[key]):
-                assert torch.equal(got, want), f"rank {rank} {key} {name}: two-node launch differs"
+                assert np.array_equal(got, want), f"rank {rank} {key} {name}: two-node launch differs"
         for local_loss in (True, False):
             for want, got in zip(multi["exchange", local_loss], multi["ring", local_loss]):
-                assert torch.allclose(got, want, rtol=2e-5, atol=2e-6), (rank, local_loss)
+                assert np.allclose(got, want, rtol=2e-5, atol=2e-6), (rank, local_loss)
