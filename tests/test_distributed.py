@@ -238,7 +238,7 @@ def _ddp_rank(rank, world_size):
     want = {n: p.grad for n, p in reference_model.named_parameters()}
     local = slice(rank * batch, (rank + 1) * batch)
     for local_loss in (True, False):
-        for mode in ("exchange", "local"):
+        for mode in ("exchange", "local", "ring"):
             model = DistributedDataParallel(_TinyClip())
             loss_fn = clipshard.ClipLoss(local_loss, True, rank=rank, world_size=world_size, mode=mode)
             loss_fn(*model(images[local], texts[local])).backward()
