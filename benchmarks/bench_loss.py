@@ -10,10 +10,13 @@ is not counted, for any of the three implementations.
 Forward memory is taken with the inputs requiring grad (what a training step keeps for the
 backward); forward + backward memory includes the returned feature gradients. `clipshard` is
 clip_loss with the device's default algorithm (chunked on CUDA, fused on the CPU); on CUDA
-`clipshard_fused` is the same loss through the hand-written tile kernels (algorithm="fused").
+`clipshard_fused` is the same loss through the hand-written tile kernels (algorithm="fused");
+`clipshard_torch` is the same loss through the portable PyTorch path (algorithm="torch",
+docs/portable.md), and `torch_vs_clipshard` its time over the default algorithm's in the same run.
 
     python benchmarks/bench_loss.py --device cpu --json bench_results/loss_cpu.json
 """
+import functools
 import os
 import sys
 
@@ -47,6 +50,7 @@ def implementations(device, dtype_name):
     impls = {"clipshard": clipshard.clip_loss, "naive": naive_loss}
     if device == "cuda":
         impls["clipshard_fused"] = fused_kernel_loss
+    impls["clipshard_torch"] = functools.partial(clipshard.clip_loss, algorithm="torch")
     try:
         from open_clip.loss import ClipLoss
 
@@ -91,6 +95,9 @@ def add_ratios(rows):
             base = find(base_name, r)
             r[f"time_vs_{base_name}"] = r["median_s"] / base["median_s"] if base else None
             r[f"mem_vs_{base_name}"] = r["peak_bytes"] / base["peak_bytes"] if base and base["peak_bytes"] else None
+        if r["impl"] == "clipshard_torch":  # the portable path against the compiled default
+            base = find("clipshard", r)
+            r["torch_vs_clipshard"] = r["median_s"] / base["median_s"] if base else None
 
 
 def main():
@@ -116,7 +123,7 @@ def main():
                 for name, fn in impls.items():
                     r = bench_one(fn, inputs, args.device, repeats, backward)
                     rows.append({"impl": name, "mode": mode, "batch": batch, "dim": dim, "dtype": dtype_name, **r})
-                    print(f"  {name:10s} {mode:17s} B={batch:6d} {dtype_name:9s} {r['median_s'] * 1e3:10.1f} ms "
+                    print(f"  {name:15s} {mode:17s} B={batch:6d} {dtype_name:9s} {r['median_s'] * 1e3:10.1f} ms "
                           f"{r['peak_bytes'] / 2**20:10.1f} MiB", file=sys.stderr, flush=True)
             del inputs
     add_ratios(rows)

@@ -13,7 +13,9 @@ loss over the same 8 column blocks (its _loss per neighbour block, without the c
 
 Time: median and 20/80 % quantiles; memory: the peak bytes the loss allocates beyond its inputs
 (benchmarks/_measure.py). All implementations run in the same process and the same run, so the
-ratios are the figures to read on a shared machine.
+ratios are the figures to read on a shared machine. `clipshard_torch` is clipshard's loss through the
+portable PyTorch path (algorithm="torch", docs/portable.md); `torch_vs_clipshard` in the JSON is its
+time over the compiled op's.
 
     python benchmarks/bench_siglip.py --device cpu --json bench_results/siglip_cpu.json
 """
@@ -89,7 +91,7 @@ def single_process_rows(args, impls, shapes):
                 r = bench_one(fn, inputs, args.device, args.repeats, grad_enabled, backward)
                 rows.append({"impl": name, "mode": mode, "batch": f"{rows_m}x{cols_k}", "dim": args.dim,
                              "dtype": args.dtype, **r})
-                print(f"  {name:10s} {mode:18s} {rows_m}x{cols_k} {r['median_s'] * 1e3:10.1f} ms "
+                print(f"  {name:15s} {mode:18s} {rows_m}x{cols_k} {r['median_s'] * 1e3:10.1f} ms "
                       f"{r['peak_bytes'] / MIB:10.1f} MiB", file=sys.stderr, flush=True)
         del inputs
     add_ratios(rows)
@@ -97,7 +99,8 @@ def single_process_rows(args, impls, shapes):
 
 
 def cpu_impls():
-    impls = {"clipshard": clipshard.SigLipLoss(), "naive": naive_loss}
+    impls = {"clipshard": clipshard.SigLipLoss(), "clipshard_torch": clipshard.SigLipLoss(algorithm="torch"),
+             "naive": naive_loss}
     open_clip_cls = open_clip_loss_class()
     if open_clip_cls is not None:
         impls["open_clip"] = open_clip_cls()
@@ -109,7 +112,10 @@ def cuda_impls(blocks):
     def ours(image, text, scale, bias):
         return clipshard.siglip_sum(image, text, scale, bias, pos_offset=0) / image.shape[0]
 
-    impls = {"clipshard": ours}
+    def portable(image, text, scale, bias):
+        return clipshard.siglip_sum(image, text, scale, bias, pos_offset=0, algorithm="torch") / image.shape[0]
+
+    impls = {"clipshard": ours, "clipshard_torch": portable}
     open_clip_cls = open_clip_loss_class()
     if open_clip_cls is not None:
         oc = open_clip_cls()

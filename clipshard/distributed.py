@@ -11,9 +11,11 @@ collectives, so that the kernels only ever see local tensors:
   (so that a bad input raises on all ranks instead of hanging some of them) and returns the local
   sizes of all ranks.
 
-The process group's backend decides the transport (NCCL for CUDA tensors, gloo for CPU tensors).
-Features travel in their own dtype; log-sum-exps travel in fp32.
+The process group's backend decides the transport (NCCL/RCCL for CUDA and ROCm tensors, gloo for
+CPU tensors, XCCL for XPU, ...); nothing here depends on the device type. Features travel in their
+own dtype; log-sum-exps travel in fp32.
 """
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +27,17 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _DTYPE_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
-_DEVICE_CODES = {"cpu": 0, "cuda": 1}
+
+
+def _device_code(device_type):
+    """A number for a device type name, the same in every process (Python's hash() is salted per
+    process): every device type torch supports is accepted, and ranks must agree on it."""
+    return zlib.crc32(device_type.encode())
+
+
+# Names of the device types whose codes an error message may have to print back.
+_KNOWN_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "meta", "hpu", "mtia", "xla", "lazy", "ipu", "maia",
+                       "privateuseone")
 
 
 @dataclass(frozen=True)
@@ -86,7 +98,6 @@ _LOCAL_PROBLEMS = {
     3: "image_features and text_features must be on the same device",
     4: "image_features and text_features must have the same shape",
     5: "features must be fp32, fp16, bf16 or fp64",
-    6: "features must be on a CPU or CUDA device",
     7: "the local batch must not be empty",
     8: "logit_scale must be a tensor with one element on the features' device",
     9: "logit_bias must be None or a tensor with one element on the features' device",
@@ -121,8 +132,6 @@ def _local_problem(image, text, scale, bias):
         return fail(10, f"{image.layout} and {text.layout}")
     if image.dtype not in _DTYPE_CODES:
         return fail(5, f"{image.dtype}")
-    if image.device.type not in _DEVICE_CODES:
-        return fail(6, f"{image.device}")
     if image.shape[0] == 0:
         return fail(7, f"{tuple(image.shape)}")
     if image.shape[1] == 0:
@@ -151,11 +160,19 @@ def _requires_grad_bits(image, text, scale, bias):
 
 def _metadata_device(group):
     """Where the metadata travels: a device every rank's backend serves whatever its inputs are (a
-    rank with inputs on an unusable device must still take part, to report it)."""
-    if dist.get_backend(group) == "nccl":
+    rank with inputs on an unusable device must still take part, to report it): NCCL's (RCCL's)
+    CUDA device, the current accelerator for the other backends that serve only their accelerator
+    (XCCL on XPU, HCCL on HPU), else the CPU (gloo, mpi, "cpu:gloo,cuda:nccl" pairs)."""
+    backend = dist.get_backend(group)
+    if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
+    if backend in _ACCELERATOR_ONLY_BACKENDS:
+        accelerator = torch.accelerator.current_accelerator()
+        return torch.device(accelerator.type, torch.accelerator.current_device_index())
     return torch.device("cpu")
 
+
+_ACCELERATOR_ONLY_BACKENDS = ("xccl", "hccl")
 
 # Column order of the metadata each rank contributes.
 _META_FIELDS = ("problem", "batch", "dim", "dtype", "device", "has_bias", "requires_grad",
@@ -186,7 +203,7 @@ def shard_layout(fn, image, text, scale, bias, group, *, config=0, rank_arg=None
             image.shape[0],
             image.shape[1],
             _DTYPE_CODES[image.dtype],
-            _DEVICE_CODES[image.device.type],
+            _device_code(image.device.type),
             int(bias is not None),
             _requires_grad_bits(image, text, scale, bias),
             config,
@@ -237,7 +254,7 @@ def _check_table(fn, table, rank, world_size, own_message):
         if len(set(values)) > 1:
             dtypes = {v: str(k) for k, v in _DTYPE_CODES.items()}
             shown = {"dtype": dtypes, "scale_dtype": dtypes, "bias_dtype": dtypes,
-                     "device": {v: k for k, v in _DEVICE_CODES.items()}}.get(name, {})
+                     "device": {_device_code(t): t for t in _KNOWN_DEVICE_TYPES}}.get(name, {})
             per_rank = ", ".join(f"rank {q}: {shown.get(v, v)}" for q, v in enumerate(values))
             raise ValueError(f"{fn}: all ranks must use the same {what}, got {per_rank}")
 

@@ -4,18 +4,22 @@
 log-sum-exps, the positive logits S[i, pos_offset + i] and the column log-sum-exps over these rows,
 without ever materialising S (docs/fused_loss.md).
 
-Two algorithms (docs/fused_loss_cuda.md): "fused" tile kernels that never leave a tile (the CPU
-default; on CUDA the hand-written FMA / mma.sync kernels), and "chunked": per chunk of Kc columns a
-cuBLAS GEMM into a bounded fp32 workspace, then one fused elementwise kernel (the CUDA default).
+Three algorithms: "fused" tile kernels that never leave a tile (the CPU default; on CUDA the
+hand-written FMA / mma.sync kernels), "chunked": per chunk of Kc columns a cuBLAS GEMM into a
+bounded fp32 workspace, then one fused elementwise kernel (the CUDA default; docs/fused_loss_cuda.md),
+and "torch": the chunked algorithm in PyTorch operations only, for every device without a compiled
+kernel (clipshard/portable_lse.py, docs/portable.md).
 """
 import torch
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
+from clipshard import _algorithm
 from clipshard._block_checks import accumulate_dtype, check_block_features, check_logit_scalar
 from clipshard._checks import check_flags
 from clipshard._workspace import workspace_bytes as _workspace_bytes
+from clipshard.portable_lse import contrastive_lse_backward_torch, contrastive_lse_torch
 
-ALGORITHMS = ("auto", "fused", "chunked")
+ALGORITHMS = ("auto", "fused", "chunked", "torch")
 
 @torch.library.register_fake("clipshard::contrastive_lse_forward")
 def _forward_fake(rows, cols, scale, bias, pos_offset, want_col_lse, algorithm, workspace_bytes, deterministic):
@@ -64,15 +68,6 @@ def _backward(ctx, grad_row_lse, grad_pos_logit, grad_col_lse):
 torch.library.register_autograd("clipshard::contrastive_lse_forward", _backward, setup_context=_setup_context)
 
 
-def resolve_algorithm(fn, algorithm, device):
-    """"auto" is "chunked" on CUDA and "fused" elsewhere; anything else must be a known name."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"{fn}: algorithm must be one of {', '.join(map(repr, ALGORITHMS))}, got {algorithm!r}")
-    if algorithm == "auto":
-        return "chunked" if device.type == "cuda" else "fused"
-    return algorithm
-
-
 def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=True, *, algorithm="auto",
                     workspace_bytes=None, deterministic=False):
     """Fused S = scale * rows @ cols^T (+ bias) reduced to log-sum-exps, never materialising S.
@@ -85,12 +80,16 @@ def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=Tru
         bias: optional logit bias added to every logit (float or one-element tensor; differentiable).
         pos_offset: row i's positive is column pos_offset + i (0 <= pos_offset, pos_offset + M <= K).
         want_col_lse: also return the column log-sum-exps over these M rows.
-        algorithm: "auto" (default: "chunked" on CUDA, "fused" on the CPU), "fused" (tile kernels;
-            on CUDA the hand-written FMA kernels, with tensor cores for fp16/bf16 when D % 8 == 0)
-            or "chunked" (cuBLAS GEMMs over column chunks, fused elementwise kernels; on fp32 CUDA
-            inputs TF32 follows torch.backends.cuda.matmul.allow_tf32).
-        workspace_bytes: memory budget of the chunked algorithm's workspace (default 256 MiB on
-            CUDA, 32 MiB on the CPU); its chunks are the widest multiple of 128 columns that fits.
+        algorithm: "auto" (default: "fused" on the CPU, "chunked" on CUDA when the extension has
+            its CUDA kernels, "torch" on every other device, with a warning the first time; the
+            environment variable CLIPSHARD_ALGORITHM=torch makes "auto" pick "torch" everywhere),
+            "fused" (tile kernels; on CUDA the hand-written FMA kernels, with tensor cores for
+            fp16/bf16 when D % 8 == 0), "chunked" (cuBLAS GEMMs over column chunks, fused
+            elementwise kernels; on fp32 CUDA inputs TF32 follows
+            torch.backends.cuda.matmul.allow_tf32) or "torch" (the chunked algorithm in PyTorch
+            operations, on any device; docs/portable.md).
+        workspace_bytes: memory budget of the chunked algorithms' workspace (default 256 MiB on
+            CUDA, 32 MiB elsewhere); its chunks are the widest multiple of 128 columns that fits.
         deterministic: kept for a future non-deterministic backward; every current path is
             deterministic (no float atomics, fixed reduction order).
 
@@ -103,7 +102,25 @@ def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=Tru
     scale = check_logit_scalar("contrastive_lse", "scale", scale, rows)
     if bias is not None:
         bias = check_logit_scalar("contrastive_lse", "bias", bias, rows)
-    algorithm = resolve_algorithm("contrastive_lse", algorithm, rows.device)
+    algorithm = _algorithm.resolve("contrastive_lse", algorithm, rows.device, ALGORITHMS)
     budget = _workspace_bytes("contrastive_lse", rows.device, workspace_bytes)
+    if algorithm == "torch":
+        return contrastive_lse_torch(rows, cols, scale, bias, pos_offset, want_col_lse, budget)
     return torch.ops.clipshard.contrastive_lse_forward(rows, cols, scale, bias, pos_offset, want_col_lse,
                                                        algorithm, budget, deterministic)
+
+
+def contrastive_lse_backward(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, pos_offset,
+                             row_lse, col_lse, *, algorithm="auto", workspace_bytes=None):
+    """The backward of contrastive_lse for log-sum-exps computed elsewhere: ring mode hands it the
+    full row and column LSEs of one block of a larger matrix. Arguments as the op's backward
+    (scale and bias 0-dim tensors, grad_col_lse and col_lse None together); returns (d rows,
+    d cols, d scale, d bias), d bias a zero when bias is None."""
+    algorithm = _algorithm.resolve("contrastive_lse", algorithm, rows.device, ALGORITHMS)
+    budget = _workspace_bytes("contrastive_lse", rows.device, workspace_bytes)
+    if algorithm == "torch":
+        return contrastive_lse_backward_torch(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias,
+                                              pos_offset, row_lse, col_lse, budget)
+    return torch.ops.clipshard.contrastive_lse_backward(
+        grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, pos_offset, row_lse, col_lse,
+        algorithm, budget, torch.are_deterministic_algorithms_enabled())

@@ -5,7 +5,8 @@ import torch
 from clipshard import distributed as cdist
 from clipshard import sharded_loss
 from clipshard._checks import check_feature_pair, check_flags, check_rank_and_world_size
-from clipshard.fused_op import contrastive_lse
+from clipshard._algorithm import check_algorithm
+from clipshard.fused_op import ALGORITHMS, contrastive_lse
 
 _MODES = ("exchange", "local", "ring")
 
@@ -18,14 +19,15 @@ def _check_pair(image_features, text_features, fn="clip_loss"):
                          f"{tuple(image_features.shape)} and {tuple(text_features.shape)}")
 
 
-def _single_device_loss(image_features, text_features, logit_scale, logit_bias=None, fn="clip_loss"):
+def _single_device_loss(image_features, text_features, logit_scale, logit_bias=None, fn="clip_loss",
+                        algorithm="auto"):
     """open_clip's ClipLoss on one device: (CE(logits_per_image) + CE(logits_per_text)) / 2 with
     logits = logit_scale * image_features @ text_features^T (+ logit_bias), the positives on the
     diagonal. One fused pass gives the row and column log-sum-exps from the same similarity tiles;
     the B x B logits are never stored."""
     _check_pair(image_features, text_features, fn)
     row_lse, pos_logit, col_lse = contrastive_lse(image_features, text_features, logit_scale, logit_bias,
-                                                  pos_offset=0, want_col_lse=True)
+                                                  pos_offset=0, want_col_lse=True, algorithm=algorithm)
     return ((row_lse - pos_logit).mean() + (col_lse - pos_logit).mean()) / 2
 
 
@@ -59,21 +61,21 @@ def _as_scalar_tensor(value, like):
 
 
 def _sharded_clip_loss(fn, image, text, scale, bias, *, local_loss, gather_with_grad, mode, group,
-                       rank_arg=None, world_size_arg=None):
+                       rank_arg=None, world_size_arg=None, algorithm="auto"):
     scale, bias = _as_scalar_tensor(scale, image), _as_scalar_tensor(bias, image)
     layout = cdist.shard_layout(
         fn, image, text, scale, bias, group, config=_config_code(local_loss, gather_with_grad, mode),
         rank_arg=rank_arg, world_size_arg=world_size_arg,
     )
     if layout.world_size == 1:  # a group of one: every option gives the single-device loss
-        return _single_device_loss(image, text, scale, bias, fn)
+        return _single_device_loss(image, text, scale, bias, fn, algorithm)
     if local_loss:
-        return sharded_loss.rank_loss(image, text, scale, bias, layout, mode, gather_with_grad)
-    return sharded_loss.global_loss(image, text, scale, bias, layout, mode, gather_with_grad)
+        return sharded_loss.rank_loss(image, text, scale, bias, layout, mode, gather_with_grad, algorithm)
+    return sharded_loss.global_loss(image, text, scale, bias, layout, mode, gather_with_grad, algorithm)
 
 
 def clip_loss(image_features, text_features, logit_scale, logit_bias=None, *, local_loss=False,
-              gather_with_grad=True, mode=None, group=None):
+              gather_with_grad=True, mode=None, group=None, algorithm="auto"):
     """CLIP contrastive loss (CE over image rows + CE over text rows) / 2, never materialising the
     similarity matrix.
 
@@ -84,15 +86,17 @@ def clip_loss(image_features, text_features, logit_scale, logit_bias=None, *, lo
     open_clip's gradient semantics (docs/distributed.md). mode: "exchange" (default with
     gather_with_grad=True), "local", or "ring" (exchange's results with the text features passed
     between neighbouring ranks instead of gathered: per-rank memory independent of the world size,
-    slower on small problems). Returns a 0-dim fp32 tensor (fp64 for fp64 features).
+    slower on small problems). algorithm: contrastive_lse's ("auto", "fused", "chunked" or "torch";
+    docs/portable.md). Returns a 0-dim fp32 tensor (fp64 for fp64 features).
     """
     mode = _resolve_mode("clip_loss", mode, local_loss, gather_with_grad)
+    check_algorithm("clip_loss", algorithm, ALGORITHMS)
     group, _ = cdist.resolve_group("clip_loss", group)
     if group is None:
-        return _single_device_loss(image_features, text_features, logit_scale, logit_bias)
+        return _single_device_loss(image_features, text_features, logit_scale, logit_bias, algorithm=algorithm)
     return _sharded_clip_loss(
         "clip_loss", image_features, text_features, logit_scale, logit_bias, local_loss=local_loss,
-        gather_with_grad=gather_with_grad, mode=mode, group=group,
+        gather_with_grad=gather_with_grad, mode=mode, group=group, algorithm=algorithm,
     )
 
 
@@ -104,11 +108,11 @@ class ClipLoss(torch.nn.Module):
     world_size=1 with no `group` computes this process's loss alone, like open_clip. Otherwise the
     process group is `group` (default: the world group); rank and world_size, when not left at
     their defaults, must agree with it. cache_labels is accepted and has no effect (no label tensor
-    is built). mode: see clip_loss. Horovod is not supported.
+    is built). mode, algorithm: see clip_loss. Horovod is not supported.
     """
 
     def __init__(self, local_loss=False, gather_with_grad=False, cache_labels=False, rank=0,
-                 world_size=1, use_horovod=False, *, mode=None, group=None):
+                 world_size=1, use_horovod=False, *, mode=None, group=None, algorithm="auto"):
         super().__init__()
         check_flags("ClipLoss", cache_labels=cache_labels, use_horovod=use_horovod)
         check_rank_and_world_size("ClipLoss", rank, world_size)
@@ -123,6 +127,8 @@ class ClipLoss(torch.nn.Module):
         self.use_horovod = use_horovod
         self.mode = _resolve_mode("ClipLoss", mode, local_loss, gather_with_grad)
         self.group = group
+        check_algorithm("ClipLoss", algorithm, ALGORITHMS)
+        self.algorithm = algorithm
 
     def forward(self, image_features, text_features, logit_scale, logit_bias=None, output_dict=False):
         """The CLIP loss of this rank's batch, as open_clip's ClipLoss.forward computes it.
@@ -141,7 +147,8 @@ class ClipLoss(torch.nn.Module):
         """
         check_flags("ClipLoss", output_dict=output_dict)
         if self.world_size == 1 and self.group is None:
-            loss = _single_device_loss(image_features, text_features, logit_scale, logit_bias, "ClipLoss")
+            loss = _single_device_loss(image_features, text_features, logit_scale, logit_bias, "ClipLoss",
+                                       self.algorithm)
         else:
             group, _ = cdist.resolve_group("ClipLoss", self.group, self.world_size)
             explicit = not (self.world_size == 1 and self.rank == 0)
@@ -149,6 +156,6 @@ class ClipLoss(torch.nn.Module):
                 "ClipLoss", image_features, text_features, logit_scale, logit_bias,
                 local_loss=self.local_loss, gather_with_grad=self.gather_with_grad, mode=self.mode,
                 group=group, rank_arg=self.rank if explicit else None,
-                world_size_arg=self.world_size if explicit else None,
+                world_size_arg=self.world_size if explicit else None, algorithm=self.algorithm,
             )
         return {"contrastive_loss": loss} if output_dict else loss

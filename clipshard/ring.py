@@ -25,8 +25,7 @@ Each rank's per-block work and its logit_scale / logit_bias gradient are those o
 import torch
 import torch.distributed as dist
 
-from clipshard._workspace import workspace_bytes
-from clipshard.fused_op import contrastive_lse, resolve_algorithm
+from clipshard.fused_op import contrastive_lse, contrastive_lse_backward
 
 # gloo matches point-to-point messages by (peer, tag): blocks and travelling buffers use their own
 # tags (NCCL ignores tags and matches in issue order, which is the same on every rank).
@@ -68,33 +67,33 @@ def _transposed(image, block, own):
     return not own and block.shape[0] < image.shape[0]
 
 
-def _block_forward(image, block, scale, bias, own):
+def _block_forward(image, block, scale, bias, own, algorithm):
     """(row LSE part [M], positives [M] (own block only, else None), column LSE part [K])."""
     if _transposed(image, block, own):
-        col, _, row = contrastive_lse(block, image, scale, bias, 0, True)
+        col, _, row = contrastive_lse(block, image, scale, bias, 0, True, algorithm=algorithm)
         return row, None, col
-    row, pos, col = contrastive_lse(image, block, scale, bias, 0, True)
+    row, pos, col = contrastive_lse(image, block, scale, bias, 0, True, algorithm=algorithm)
     return row, (pos if own else None), col
 
 
-def _block_backward(image, block, scale, bias, row_lse, col_lse, g_row, g_pos, g_col, own, options):
+def _block_backward(image, block, scale, bias, row_lse, col_lse, g_row, g_pos, g_col, own, algorithm):
     """(d image, d block, d scale, d bias) of one block given the full LSEs and their gradients."""
-    backward = torch.ops.clipshard.contrastive_lse_backward
     if _transposed(image, block, own):
         no_pos = g_col.new_zeros(block.shape[0])
-        d_block, d_image, d_scale, d_bias = backward(g_col, no_pos, g_row, block, image, scale, bias, 0,
-                                                     col_lse, row_lse, *options)
+        d_block, d_image, d_scale, d_bias = contrastive_lse_backward(
+            g_col, no_pos, g_row, block, image, scale, bias, 0, col_lse, row_lse, algorithm=algorithm)
         return d_image, d_block, d_scale, d_bias
     if not own:
         g_pos = g_row.new_zeros(image.shape[0])
-    return backward(g_row, g_pos, g_col, image, block, scale, bias, 0, row_lse, col_lse, *options)
+    return contrastive_lse_backward(g_row, g_pos, g_col, image, block, scale, bias, 0, row_lse, col_lse,
+                                    algorithm=algorithm)
 
 
 class _RingLSE(torch.autograd.Function):
     """(row LSE of I_r over all columns, positives of I_r, full column LSE of this rank's columns)."""
 
     @staticmethod
-    def forward(ctx, image, text, scale, bias, layout):
+    def forward(ctx, image, text, scale, bias, layout, algorithm):
         ring, n, sizes = _Ring(layout), layout.world_size, layout.sizes
         image, block = image.contiguous(), text.contiguous()
         incoming_column = None  # travelling column-LSE accumulator, in flight from the previous rank
@@ -104,7 +103,7 @@ class _RingLSE(torch.autograd.Function):
             if step < n - 1:  # the next block travels while this one is computed
                 next_block = text.new_empty(sizes[_block_rank(layout, step + 1)], text.shape[1])
                 block_handle = ring.shift([block], [next_block], _BLOCK_TAG)
-            row, own_pos, col = _block_forward(image, block, scale, bias, own=step == 0)
+            row, own_pos, col = _block_forward(image, block, scale, bias, step == 0, algorithm)
             if step == 0:
                 row_lse, pos, column = row, own_pos, col
             else:
@@ -121,7 +120,7 @@ class _RingLSE(torch.autograd.Function):
         ring.wait(column_handle)
         col_lse = incoming_column
         ctx.save_for_backward(image, text, scale, bias, row_lse, col_lse)
-        ctx.layout = layout
+        ctx.layout, ctx.algorithm = layout, algorithm
         return row_lse, pos, col_lse
 
     @staticmethod
@@ -132,8 +131,6 @@ class _RingLSE(torch.autograd.Function):
         g_row = torch.zeros_like(row_lse) if g_row is None else g_row.contiguous()
         g_pos = torch.zeros_like(row_lse) if g_pos is None else g_pos.contiguous()
         g_col = torch.zeros_like(col_lse) if g_col is None else g_col.contiguous()
-        options = (resolve_algorithm("clip_loss", "auto", image.device), workspace_bytes("clip_loss", image.device),
-                   torch.are_deterministic_algorithms_enabled())
         grad_dtype = torch.promote_types(text.dtype, torch.float32)  # fp32 accumulation for 16-bit
         # what travels ahead with a text block: the block, its full column LSE and its owner's gradient
         block, column = text.contiguous(), torch.stack([col_lse, g_col])
@@ -149,7 +146,7 @@ class _RingLSE(torch.autograd.Function):
                 next_column = column.new_empty(2, k_next)
                 block_handle = ring.shift([block, column], [next_block, next_column], _BLOCK_TAG)
             di, dt, ds, db = _block_backward(image, block, scale, bias, row_lse, column[0], g_row, g_pos,
-                                             column[1], step == 0, options)
+                                             column[1], step == 0, ctx.algorithm)
             d_image += di
             d_scale += ds.double()
             d_bias += db.double()
@@ -168,12 +165,12 @@ class _RingLSE(torch.autograd.Function):
         grads = (d_image.to(image.dtype), incoming_grad.to(text.dtype),
                  d_scale.to(scale.dtype).reshape(scale.shape),
                  None if bias is None else d_bias.to(bias.dtype).reshape(bias.shape))
-        return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:4])) + (None,)
+        return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:4])) + (None, None)
 
 
-def ring_partial(image, text, scale, bias, layout):
+def ring_partial(image, text, scale, bias, layout, algorithm="auto"):
     """This rank's partial P_r (sharded_loss's notation) in ring mode: exchange_partial's value and
     gradients, without gathering the text features."""
-    row_lse, pos, col_lse = _RingLSE.apply(image, text, scale, bias, layout)
+    row_lse, pos, col_lse = _RingLSE.apply(image, text, scale, bias, layout, algorithm)
     # S_jj of this rank's column j = offset + i is the positive logit of local row i.
     return (row_lse - pos).sum() + (col_lse - pos).sum()

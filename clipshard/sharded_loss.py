@@ -14,6 +14,8 @@ so that open_clip's per-rank loss (local_loss=True) is P_r / (2M) and its full-b
 - ring: exchange's maths with the text blocks passed around the ring instead of gathered
   (clipshard/ring.py).
 """
+import functools
+
 import torch
 
 from clipshard import distributed as cdist
@@ -21,26 +23,26 @@ from clipshard.fused_op import contrastive_lse
 from clipshard.ring import ring_partial
 
 
-def exchange_partial(image, text, scale, bias, layout):
+def exchange_partial(image, text, scale, bias, layout, algorithm="auto"):
     cols = cdist.gather_rows(text, layout)
-    row_lse, pos, col_part = contrastive_lse(image, cols, scale, bias, layout.offset, True)
+    row_lse, pos, col_part = contrastive_lse(image, cols, scale, bias, layout.offset, True, algorithm=algorithm)
     col_lse = cdist.combine_column_lse(col_part, layout).narrow(0, layout.offset, layout.local_size)
     # S_jj of this rank's column j = offset + i is the positive logit of local row i.
     return (row_lse - pos).sum() + (col_lse - pos).sum()
 
 
-def local_partial(image, text, scale, bias, layout, gather_with_grad=True):
+def local_partial(image, text, scale, bias, layout, gather_with_grad=True, algorithm="auto"):
     all_text = cdist.gather_rows(text, layout, with_grad=gather_with_grad)
     all_image = cdist.gather_rows(image, layout, with_grad=gather_with_grad)
-    image_lse, image_pos, _ = contrastive_lse(image, all_text, scale, bias, layout.offset, False)
-    text_lse, text_pos, _ = contrastive_lse(text, all_image, scale, bias, layout.offset, False)
+    image_lse, image_pos, _ = contrastive_lse(image, all_text, scale, bias, layout.offset, False, algorithm=algorithm)
+    text_lse, text_pos, _ = contrastive_lse(text, all_image, scale, bias, layout.offset, False, algorithm=algorithm)
     return (image_lse - image_pos).sum() + (text_lse - text_pos).sum()
 
 
 _PARTIALS = {"exchange": exchange_partial, "local": local_partial, "ring": ring_partial}
 
 
-def rank_loss(image, text, scale, bias, layout, mode, gather_with_grad):
+def rank_loss(image, text, scale, bias, layout, mode, gather_with_grad, algorithm="auto"):
     """open_clip's local_loss=True loss of this rank, P_r / (2M), with plain autograd.
 
     gather_with_grad=True: the gathers' backward reduce-scatters, so this rank's features receive
@@ -48,15 +50,16 @@ def rank_loss(image, text, scale, bias, layout, mode, gather_with_grad):
     gather_with_grad=False (local mode only): gathered features are constants, as in open_clip.
     """
     if mode == "local":
-        partial = local_partial(image, text, scale, bias, layout, gather_with_grad)
+        partial = local_partial(image, text, scale, bias, layout, gather_with_grad, algorithm)
     else:
-        partial = _PARTIALS[mode](image, text, scale, bias, layout)
+        partial = _PARTIALS[mode](image, text, scale, bias, layout, algorithm)
     return partial / (2 * layout.local_size)
 
 
-def global_loss(image, text, scale, bias, layout, mode, gather_with_grad):
+def global_loss(image, text, scale, bias, layout, mode, gather_with_grad, algorithm="auto"):
     """open_clip's local_loss=False loss, sum_r P_r / (2NM), the same value on every rank."""
-    return _GlobalLoss.apply(_PARTIALS[mode], layout, gather_with_grad, image, text, scale, bias)
+    partial_fn = functools.partial(_PARTIALS[mode], algorithm=algorithm)
+    return _GlobalLoss.apply(partial_fn, layout, gather_with_grad, image, text, scale, bias)
 
 
 class _GlobalLoss(torch.autograd.Function):

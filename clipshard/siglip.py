@@ -17,7 +17,8 @@ import torch
 from clipshard import distributed as cdist
 from clipshard._checks import check_flags, check_rank_and_world_size
 from clipshard.loss import _as_scalar_tensor
-from clipshard.siglip_op import siglip_sum
+from clipshard._algorithm import check_algorithm
+from clipshard.siglip_op import ALGORITHMS, siglip_sum
 
 DIST_IMPLS = ("bidir", "shift", "reduce", "gather")
 # shard_layout's `config`: the same on every rank running this loss, and unlike ClipLoss's codes
@@ -35,26 +36,28 @@ def _check_dist_impl(fn, dist_impl):
     return dist_impl
 
 
-def _loss(fn, image, text, scale, bias, group, rank_arg=None, world_size_arg=None):
+def _loss(fn, image, text, scale, bias, group, rank_arg=None, world_size_arg=None, algorithm="auto"):
     scale, bias = _as_scalar_tensor(scale, image), _as_scalar_tensor(bias, image)
     layout = cdist.shard_layout(fn, image, text, scale, bias, group, config=_CONFIG_CODE,
                                 rank_arg=rank_arg, world_size_arg=world_size_arg)
     all_text = cdist.gather_rows(text, layout)
-    return siglip_sum(image, all_text, scale, bias, pos_offset=layout.offset) / layout.local_size
+    return siglip_sum(image, all_text, scale, bias, pos_offset=layout.offset, algorithm=algorithm) / layout.local_size
 
 
-def siglip_loss(image_features, text_features, logit_scale, logit_bias=None, *, group=None):
+def siglip_loss(image_features, text_features, logit_scale, logit_bias=None, *, group=None, algorithm="auto"):
     """SigLIP's sigmoid loss, never materialising the logits.
 
     Distributed when `group` is given or torch.distributed is initialised (then over the world
     group): this rank's loss over its own images against every rank's texts, with the gradient
     semantics of open_clip's SigLipLoss (see the module docstring). Local batch sizes may differ
     between ranks. On one device, open_clip's single-process loss. logit_scale (already
-    exponentiated) and logit_bias: 0-dim or one-element tensors, or Python numbers. Returns a 0-dim
-    fp32 tensor (fp64 for fp64 features).
+    exponentiated) and logit_bias: 0-dim or one-element tensors, or Python numbers. algorithm:
+    siglip_sum's ("auto", "chunked" or "torch"; docs/portable.md). Returns a 0-dim fp32 tensor
+    (fp64 for fp64 features).
     """
+    check_algorithm("siglip_loss", algorithm, ALGORITHMS)
     group, _ = cdist.resolve_group("siglip_loss", group)
-    return _loss("siglip_loss", image_features, text_features, logit_scale, logit_bias, group)
+    return _loss("siglip_loss", image_features, text_features, logit_scale, logit_bias, group, algorithm=algorithm)
 
 
 class SigLipLoss(torch.nn.Module):
@@ -66,9 +69,10 @@ class SigLipLoss(torch.nn.Module):
     defaults, must agree with it. dist_impl: any of open_clip's values ('bidir', the default,
     'shift', 'reduce', 'gather'); all give the same result, since the texts are all-gathered once
     whatever the value. cache_labels is accepted and has no effect (no label tensor is built).
+    algorithm: see siglip_loss.
     """
 
-    def __init__(self, cache_labels=False, rank=0, world_size=1, dist_impl=None, *, group=None):
+    def __init__(self, cache_labels=False, rank=0, world_size=1, dist_impl=None, *, group=None, algorithm="auto"):
         super().__init__()
         check_flags("SigLipLoss", cache_labels=cache_labels)
         check_rank_and_world_size("SigLipLoss", rank, world_size)
@@ -77,6 +81,8 @@ class SigLipLoss(torch.nn.Module):
         self.world_size = world_size
         self.dist_impl = _check_dist_impl("SigLipLoss", dist_impl)
         self.group = group
+        check_algorithm("SigLipLoss", algorithm, ALGORITHMS)
+        self.algorithm = algorithm
 
     def forward(self, image_features, text_features, logit_scale, logit_bias, output_dict=False):
         """The SigLIP loss of this rank's batch, as open_clip's SigLipLoss.forward computes it.
@@ -97,11 +103,12 @@ class SigLipLoss(torch.nn.Module):
         """
         check_flags("SigLipLoss", output_dict=output_dict)
         if self.world_size == 1 and self.group is None:
-            loss = _loss("SigLipLoss", image_features, text_features, logit_scale, logit_bias, None)
+            loss = _loss("SigLipLoss", image_features, text_features, logit_scale, logit_bias, None,
+                         algorithm=self.algorithm)
         else:
             group, _ = cdist.resolve_group("SigLipLoss", self.group, self.world_size)
             explicit = not (self.world_size == 1 and self.rank == 0)
             loss = _loss("SigLipLoss", image_features, text_features, logit_scale, logit_bias, group,
                          rank_arg=self.rank if explicit else None,
-                         world_size_arg=self.world_size if explicit else None)
+                         world_size_arg=self.world_size if explicit else None, algorithm=self.algorithm)
         return {"contrastive_loss": loss} if output_dict else loss

@@ -9,12 +9,19 @@ without ever materialising the M x K logits (docs/siglip.md). The loss has no no
 op computes the gradients of that sum in the same chunked pass as the loss when a gradient will be
 needed (three GEMMs per column chunk instead of the four a recomputing backward would need); the
 autograd backward only multiplies them by the upstream gradient.
+
+Algorithms: "chunked" (the compiled op above, CPU and CUDA) and "torch" (the same algorithm in
+PyTorch operations only, for every device without a compiled kernel: clipshard/portable_siglip.py,
+docs/portable.md); "auto" picks as clipshard._algorithm says.
 """
 import torch
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
-from clipshard import _workspace
+from clipshard import _algorithm, _workspace
 from clipshard._block_checks import accumulate_dtype, check_block_features, check_logit_scalar
+from clipshard.portable_siglip import siglip_sum_torch
+
+ALGORITHMS = ("auto", "chunked", "torch")
 
 @torch.library.register_fake("clipshard::siglip_forward")
 def _forward_fake(rows, cols, scale, bias, pos_offset, with_grad, workspace_bytes):
@@ -66,7 +73,7 @@ def _backward(ctx, grad_loss, *unused):
 torch.library.register_autograd("clipshard::siglip_forward", _backward, setup_context=_setup_context)
 
 
-def siglip_sum(rows, cols, scale, bias=None, pos_offset=0, *, workspace_bytes=None):
+def siglip_sum(rows, cols, scale, bias=None, pos_offset=0, *, algorithm="auto", workspace_bytes=None):
     """Fused sum of the SigLIP loss terms of an M x K block, never materialising the logits.
 
     Args:
@@ -75,6 +82,10 @@ def siglip_sum(rows, cols, scale, bias=None, pos_offset=0, *, workspace_bytes=No
         scale: logit scale, already exponentiated (a Python float or a 0-dim tensor; differentiable).
         bias: optional logit bias (float or 0-dim tensor; differentiable).
         pos_offset: row i's positive is column pos_offset + i (0 <= pos_offset, pos_offset + M <= K).
+        algorithm: "auto" (default: the compiled "chunked" op on the CPU, and on CUDA when the
+            extension has its CUDA kernels; "torch" on every other device, with a warning the first
+            time; CLIPSHARD_ALGORITHM=torch makes "auto" pick "torch" everywhere), "chunked" or
+            "torch" (the same algorithm in PyTorch operations, on any device; docs/portable.md).
         workspace_bytes: budget of the chunk workspace (default: clipshard._workspace's per device).
 
     Returns:
@@ -85,7 +96,10 @@ def siglip_sum(rows, cols, scale, bias=None, pos_offset=0, *, workspace_bytes=No
     scale = check_logit_scalar("siglip_sum", "scale", scale, rows)
     if bias is not None:
         bias = check_logit_scalar("siglip_sum", "bias", bias, rows)
+    algorithm = _algorithm.resolve("siglip_sum", algorithm, rows.device, ALGORITHMS)
     budget = _workspace.workspace_bytes("siglip_sum", rows.device, workspace_bytes)
     inputs = (rows, cols, scale) + ((bias,) if bias is not None else ())
     with_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    if algorithm == "torch":
+        return siglip_sum_torch(rows, cols, scale, bias, pos_offset, with_grad, budget, _saved_grad_dtype(rows.dtype))
     return torch.ops.clipshard.siglip_forward(rows, cols, scale, bias, pos_offset, with_grad, budget)[0]

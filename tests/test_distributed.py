@@ -4,7 +4,8 @@
 Each process group runs many checks (starting one costs time): all four (local_loss,
 gather_with_grad) combinations, both modes, fp32, bf16 and fp16, with and without logit_bias, a
 different upstream gradient on every rank; world size 3 adds unequal local batches; world size 2
-adds DDP end to end and the cross-rank error cases.
+adds DDP end to end and the cross-rank error cases. Every ClipLoss check runs with the compiled
+kernels (algorithm="auto") and with the portable PyTorch path (algorithm="torch").
 """
 import importlib.util
 import math
@@ -20,6 +21,7 @@ from clipshard.reference import clip_loss_rank_reference, clip_loss_reference
 from dist_utils import report_worst, run_group
 
 COMBINATIONS = [(True, True), (False, True), (True, False), (False, False)]  # (local_loss, gather_with_grad)
+ALGORITHMS = ["auto", "torch"]  # the compiled kernels, the portable PyTorch path (docs/portable.md)
 
 
 def _modes(local_loss, gather_with_grad):
@@ -110,9 +112,10 @@ def _compare_rank(rank, world_size, sizes, dtype, seed, scale_value, bias_value,
                     error = _error(name, got, exp)
                     assert error < 1e-10, f"open_clip fp64 vs reference {local_loss, gather_with_grad}: {name} {error:.3g}"
 
-        for mode in _modes(local_loss, gather_with_grad):
-            case = f"{dtype} world={world_size} sizes={sizes} local_loss={local_loss} gather_with_grad={gather_with_grad} mode={mode} bias={bias_value}"
-            ours = _run_loss(clipshard.ClipLoss(local_loss, gather_with_grad, rank=rank, world_size=world_size, mode=mode),
+        for mode, algorithm in [(m, a) for m in _modes(local_loss, gather_with_grad) for a in ALGORITHMS]:
+            case = f"{dtype} world={world_size} sizes={sizes} local_loss={local_loss} gather_with_grad={gather_with_grad} mode={mode} bias={bias_value} algorithm={algorithm}"
+            ours = _run_loss(clipshard.ClipLoss(local_loss, gather_with_grad, rank=rank, world_size=world_size, mode=mode,
+                                                algorithm=algorithm),
                              image, text, scale, bias, upstream[rank])
             scale_sum_only = mode == "exchange" and local_loss
             for k, name in enumerate(["loss", "image", "text", "scale", "bias"]):

@@ -5,7 +5,8 @@ single-process reference.
 open_clip's neighbour exchanges (bidir, shift) and its collectives with gradient (reduce, gather)
 all give a rank the gradient of sum_q g_q * L_q with respect to its own features (its texts take
 part in every rank's loss; g_q is rank q's upstream gradient) and the gradient of its own g_r * L_r
-with respect to logit_scale and logit_bias; clipshard must match both, per rank.
+with respect to logit_scale and logit_bias; clipshard must match both, per rank, with the compiled
+kernel (algorithm="auto") and with the portable PyTorch path (algorithm="torch").
 """
 import warnings
 
@@ -16,7 +17,7 @@ import torch.distributed as dist
 import clipshard
 from clipshard.reference import siglip_loss_rank_reference
 from dist_utils import report_worst, run_group
-from test_distributed import _global_batch, _max_rel, _open_clip_loss_class, _run_loss
+from test_distributed import ALGORITHMS, _global_batch, _max_rel, _open_clip_loss_class, _run_loss
 
 DIST_IMPLS = [None, "bidir", "shift", "reduce", "gather"]
 NAMES = ["loss", "image", "text", "scale", "bias"]
@@ -45,28 +46,31 @@ def _compare_rank(rank, world_size, sizes, dtype, seed, scale_value, bias_value,
         worst[key] = max(worst.get(key, 0.0), value)
 
     for dist_impl in DIST_IMPLS:
-        case = f"{dtype} world={world_size} sizes={sizes} dist_impl={dist_impl} scale={scale_value} bias={bias_value}"
-        ours = _run_loss(clipshard.SigLipLoss(rank=rank, world_size=world_size, dist_impl=dist_impl),
-                         image, text, scale, bias, upstream[rank])
         theirs = None
         if check_open_clip:
             theirs = _run_loss(open_clip_loss(rank=rank, world_size=world_size, dist_impl=dist_impl),
                                image, text, scale, bias, upstream[rank])
-        for k, name in enumerate(NAMES):
-            if want[k] is None:
-                assert ours[k] is None, (case, name)
-                continue
-            error = _max_rel(ours[k], want[k])
-            tol = loss_tol if k == 0 else grad_tol
-            if theirs is not None and dtype != torch.float32:
-                tol = max(tol, 2 * _max_rel(theirs[k], want[k]))  # no worse than twice open_clip's error
-            assert error <= tol, f"{case}: {name} relative error vs fp64 {error:.3g} > {tol:.3g}"
-            note(f"vs_fp64/{dtype}/{name}", error)
-            if theirs is not None:
-                difference = _max_rel(ours[k], theirs[k])
-                if dtype == torch.float32:
-                    assert difference <= 1e-5, f"{case}: {name} relative difference vs open_clip {difference:.3g}"
-                note(f"vs_open_clip/{dtype}/{dist_impl}/{name}", difference)
+        for algorithm in ALGORITHMS:
+            case = (f"{dtype} world={world_size} sizes={sizes} dist_impl={dist_impl} scale={scale_value} "
+                    f"bias={bias_value} algorithm={algorithm}")
+            ours = _run_loss(clipshard.SigLipLoss(rank=rank, world_size=world_size, dist_impl=dist_impl,
+                                                  algorithm=algorithm),
+                             image, text, scale, bias, upstream[rank])
+            for k, name in enumerate(NAMES):
+                if want[k] is None:
+                    assert ours[k] is None, (case, name)
+                    continue
+                error = _max_rel(ours[k], want[k])
+                tol = loss_tol if k == 0 else grad_tol
+                if theirs is not None and dtype != torch.float32:
+                    tol = max(tol, 2 * _max_rel(theirs[k], want[k]))  # no worse than twice open_clip's error
+                assert error <= tol, f"{case}: {name} relative error vs fp64 {error:.3g} > {tol:.3g}"
+                note(f"vs_fp64/{dtype}/{name}", error)
+                if theirs is not None:
+                    difference = _max_rel(ours[k], theirs[k])
+                    if dtype == torch.float32:
+                        assert difference <= 1e-5, f"{case}: {name} relative difference vs open_clip {difference:.3g}"
+                    note(f"vs_open_clip/{dtype}/{dist_impl}/{name}", difference)
     return worst
 
 

@@ -1,0 +1,78 @@
+"""Which implementation of a loss op runs: the rule behind algorithm="auto" (docs/portable.md).
+
+Each op has compiled kernels for some device types (contrastive_lse: "fused" on the CPU, "chunked"
+on CUDA; siglip_sum: "chunked" on both) and the portable algorithm "torch", written with PyTorch
+operations only, which runs on every device torch supports. "auto" picks the op's compiled kernel
+when the tensors' device type has one AND the extension registered it with torch's dispatcher
+(a CUDA machine whose extension was built CPU-only, or a ROCm build, which torch reports as
+"cuda" but for which setup.py compiles no GPU kernels, has none), and "torch" everywhere else
+(ROCm, XPU, MPS, any future device), saying so once per device type with a warning.
+
+The environment variable CLIPSHARD_ALGORITHM=torch makes every "auto" pick "torch", so that a
+user can fall back from a compiled kernel inside a trainer whose code they do not control. An
+explicit `algorithm=` argument always wins over the variable.
+"""
+import os
+import warnings
+
+import torch
+
+ENV_VAR = "CLIPSHARD_ALGORITHM"
+
+# Per op: the registered operator, and the compiled algorithm "auto" picks per device type.
+_COMPILED = {
+    "contrastive_lse": ("clipshard::contrastive_lse_forward", {"cpu": "fused", "cuda": "chunked"}),
+    "siglip_sum": ("clipshard::siglip_forward", {"cpu": "chunked", "cuda": "chunked"}),
+}
+# The dispatch key of each device type that can have a compiled kernel.
+_DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
+
+_warned_device_types = set()
+
+
+def has_compiled_kernel(operator, device_type):
+    """Whether the extension registered a kernel of `operator` for tensors of `device_type`."""
+    key = _DISPATCH_KEYS.get(device_type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(operator, key)
+
+
+def _forced():
+    """True when CLIPSHARD_ALGORITHM asks every "auto" for the torch path."""
+    value = os.environ.get(ENV_VAR, "")
+    if value not in ("", "auto", "torch"):
+        raise ValueError(f"clipshard: the environment variable {ENV_VAR} must be 'torch' or 'auto' (or unset), "
+                         f"got {value!r}")
+    return value == "torch"
+
+
+def _warn_torch_path(device_type):
+    if device_type in _warned_device_types:
+        return
+    _warned_device_types.add(device_type)
+    warnings.warn(
+        f"clipshard: no compiled clipshard kernel is registered for {device_type!r} tensors, so the losses run "
+        "algorithm='torch', the portable PyTorch implementation (same results and memory bound, slower than a "
+        "compiled kernel). Pass algorithm='torch' to choose it explicitly; see docs/portable.md.",
+        stacklevel=4)
+
+
+def check_algorithm(fn, algorithm, names):
+    """`algorithm` must be one of `names` (the op's accepted values)."""
+    if not isinstance(algorithm, str) or algorithm not in names:
+        raise ValueError(f"{fn}: algorithm must be one of {', '.join(map(repr, names))}, got {algorithm!r}")
+
+
+def resolve(op, algorithm, device, names):
+    """The algorithm that runs op ("contrastive_lse" or "siglip_sum") on `device` when asked for
+    `algorithm` (one of `names`); "auto" follows the module docstring's rule."""
+    check_algorithm(op, algorithm, names)
+    if algorithm != "auto":
+        return algorithm
+    if _forced():
+        return "torch"
+    operator, compiled = _COMPILED[op]
+    device_type = torch.device(device).type
+    if device_type in compiled and has_compiled_kernel(operator, device_type):
+        return compiled[device_type]
+    _warn_torch_path(device_type)
+    return "torch"

@@ -1,0 +1,94 @@
+"""siglip_sum with algorithm="torch": the chunked sigmoid loss in PyTorch operations only
+(docs/portable.md).
+
+Per chunk of Kc columns one GEMM gives the raw similarities, l = s * dots + b the logits, and with
+t = -z * l (the chunk's positives negated in place on its diagonal)
+
+    loss += sum softplus(t),    dl = d loss / d l = -z * sigmoid(t)  (sigmoid in place, diagonal negated back),
+
+then, when a gradient will be needed, d scale += sum(dl * dots), d bias += sum(dl), and the two
+gradient GEMMs of dl (times s, applied to their M x D and Kc x D results). Like the compiled op (clipshard/siglip_op.py), the gradients of the sum
+are computed in the forward pass and only scaled by the upstream gradient in the backward: three
+GEMMs per chunk instead of the four a recomputing backward needs. What it costs is memory held from
+the forward to the backward: the gradients (M + K) x D, the size of the features themselves, which a
+backward would allocate anyway; the loss is the last step before backward in a training step, so
+the time they are held is short. Per-chunk temporaries, counted against workspace_bytes: the dots,
+the logits and softplus's output (or the dl * dots product), plus dl rounded to 16 bits where the
+GEMMs take 16-bit factors; without a gradient the logits overwrite the dots (two buffers).
+"""
+import torch
+
+from clipshard._portable_chunks import Chunks, GradientGemms, fp16_prescale, rows_per_block
+
+
+def _forward(rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype):
+    chunks = Chunks(rows, cols, budget, acc_buffers=3 if with_grad else 2, with_grad_gemms=with_grad)
+    acc = chunks.acc
+    s = scale.to(acc)
+    b = None if bias is None else bias.to(acc)
+    loss = torch.zeros((), dtype=acc, device=rows.device)
+    grad_scale = torch.zeros((), dtype=acc, device=rows.device)
+    grad_bias = torch.zeros((), dtype=acc, device=rows.device)
+    gemms = None
+    if with_grad:
+        one = torch.ones((), dtype=acc, device=rows.device)
+        prescale = fp16_prescale(one) if chunks.grad_dtype == torch.float16 else None  # |dl| <= 1
+        gemms = GradientGemms(chunks, s, saved_dtype, prescale)
+    for begin, width in chunks:
+        dots = chunks.dots(begin, width)
+        if with_grad:  # the dots are needed for d scale: the logits go to a new buffer, in one pass
+            t = torch.addcmul(b, dots, s) if b is not None else dots * s
+        else:
+            t = dots.mul_(s) if b is None else dots.mul_(s).add_(b)
+        diagonal = chunks.positives(t, begin, pos_offset)[2]
+        diagonal.neg_()  # t = -z * l
+        loss += torch.nn.functional.softplus(t).sum()
+        if with_grad:
+            dl = torch.sigmoid_(t)
+            diagonal.neg_()  # dl = -z * sigmoid(t)
+            grad_scale += (dl * dots).sum()
+            grad_bias += dl.sum()
+            gemms.add(dl, begin, width)
+            del dl
+        del dots, t, diagonal  # before the next chunk's GEMM allocates its result
+    if not with_grad:
+        return loss, None
+    grad_rows, grad_cols = gemms.results()
+    return loss, (grad_rows, grad_cols, grad_scale.to(scale.dtype), None if bias is None else grad_bias.to(bias.dtype))
+
+
+class _SiglipSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype):
+        loss, grads = _forward(rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype)
+        ctx.with_grad = with_grad
+        ctx.feature_dtype = rows.dtype
+        ctx.rows_per_step = rows_per_block(rows.shape[1], budget)
+        ctx.save_for_backward(*(grads or ()))  # freed after the backward, unless retain_graph
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if not ctx.with_grad:
+            raise RuntimeError("siglip_sum: the forward ran without gradients (no input required one under grad "
+                               "mode), so it kept none")
+        grad_rows, grad_cols, grad_scale, grad_bias = ctx.saved_tensors
+        scaled = [_scaled(g, grad_loss, ctx.feature_dtype, ctx.rows_per_step) for g in (grad_rows, grad_cols)]
+        scaled += [None if g is None else (g * grad_loss).to(g.dtype) for g in (grad_scale, grad_bias)]
+        return (*scaled, None, None, None, None)
+
+
+def _scaled(grad, grad_loss, dtype, rows_per_step):
+    """grad * grad_loss in `dtype`, computed in grad_loss's dtype (fp32 or fp64) and rounded once,
+    a block of rows at a time, so that no full-size fp32 temporary is made."""
+    out = torch.empty(grad.shape, dtype=dtype, device=grad.device)
+    for begin in range(0, grad.shape[0], rows_per_step):
+        rows = min(rows_per_step, grad.shape[0] - begin)
+        out.narrow(0, begin, rows).copy_(grad.narrow(0, begin, rows).to(grad_loss.dtype) * grad_loss)
+    return out
+
+
+def siglip_sum_torch(rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype):
+    """siglip_sum's value by the torch path; the arguments were checked by the caller. saved_dtype:
+    the dtype the feature gradients of the sum are kept in until the backward (siglip_op's rule)."""
+    return _SiglipSum.apply(rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype)
