@@ -23,42 +23,9 @@ Each rank's per-block work and its logit_scale / logit_bias gradient are those o
 (the same row block, cut into N column blocks), so ring mode gives exchange mode's results.
 """
 import torch
-import torch.distributed as dist
 
+from clipshard._ring_pass import Ring, Travelling, blocks
 from clipshard.fused_op import contrastive_lse, contrastive_lse_backward
-
-# gloo matches point-to-point messages by (peer, tag): blocks and travelling buffers use their own
-# tags (NCCL ignores tags and matches in issue order, which is the same on every rank).
-_BLOCK_TAG, _TRAVEL_TAG = 1, 2
-
-
-class _Ring:
-    """This rank's neighbours: it sends to the next rank and receives from the previous one."""
-
-    def __init__(self, layout):
-        n, r = layout.world_size, layout.rank
-        self.group = layout.group
-        self.next = dist.get_global_rank(layout.group, (r + 1) % n)
-        self.prev = dist.get_global_rank(layout.group, (r - 1) % n)
-
-    def shift(self, sends, receive_into, tag):
-        """Start sending every tensor of `sends` to the next rank and receiving into the buffers
-        `receive_into` from the previous rank; returns a handle for `wait`."""
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group, tag) for t in sends]
-        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag) for t in receive_into]
-        # the tensors must stay alive until the transfer is done: keep them with the works
-        return dist.batch_isend_irecv(ops), sends
-
-    @staticmethod
-    def wait(handle):
-        if handle is not None:
-            for work in handle[0]:
-                work.wait()
-
-
-def _block_rank(layout, step):
-    """The rank whose text block this rank holds at `step`."""
-    return (layout.rank - step) % layout.world_size
 
 
 def _transposed(image, block, own):
@@ -94,31 +61,18 @@ class _RingLSE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, image, text, scale, bias, layout, algorithm):
-        ring, n, sizes = _Ring(layout), layout.world_size, layout.sizes
-        image, block = image.contiguous(), text.contiguous()
-        incoming_column = None  # travelling column-LSE accumulator, in flight from the previous rank
-        column_handle = None
-        for step in range(n):
-            block_handle = None
-            if step < n - 1:  # the next block travels while this one is computed
-                next_block = text.new_empty(sizes[_block_rank(layout, step + 1)], text.shape[1])
-                block_handle = ring.shift([block], [next_block], _BLOCK_TAG)
+        ring = Ring(layout)
+        image = image.contiguous()
+        # the partial column LSEs of a block, folded (logaddexp) by every rank it visits
+        column = Travelling(ring, lambda acc, part: part if acc is None else torch.logaddexp(acc, part))
+        for step, block, _ in blocks(ring, text):
             row, own_pos, col = _block_forward(image, block, scale, bias, step == 0, algorithm)
             if step == 0:
-                row_lse, pos, column = row, own_pos, col
+                row_lse, pos = row, own_pos
             else:
                 row_lse = torch.logaddexp(row_lse, row)
-                ring.wait(column_handle)
-                column = torch.logaddexp(incoming_column, col)
-            # pass the accumulator on; receive the one of the block this rank holds next (after the
-            # last step: the finished column LSE of this rank's own columns)
-            incoming_column = col.new_empty(sizes[_block_rank(layout, step + 1)])
-            column_handle = ring.shift([column], [incoming_column], _TRAVEL_TAG)
-            ring.wait(block_handle)
-            if step < n - 1:
-                block = next_block
-        ring.wait(column_handle)
-        col_lse = incoming_column
+            column.fold(step, col)
+        col_lse = column.result()  # the full column LSE of this rank's own columns
         ctx.save_for_backward(image, text, scale, bias, row_lse, col_lse)
         ctx.layout, ctx.algorithm = layout, algorithm
         return row_lse, pos, col_lse
@@ -126,43 +80,25 @@ class _RingLSE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_row, g_pos, g_col):
         image, text, scale, bias, row_lse, col_lse = ctx.saved_tensors
-        layout = ctx.layout
-        ring, n, sizes = _Ring(layout), layout.world_size, layout.sizes
+        ring = Ring(ctx.layout)
         g_row = torch.zeros_like(row_lse) if g_row is None else g_row.contiguous()
         g_pos = torch.zeros_like(row_lse) if g_pos is None else g_pos.contiguous()
         g_col = torch.zeros_like(col_lse) if g_col is None else g_col.contiguous()
         grad_dtype = torch.promote_types(text.dtype, torch.float32)  # fp32 accumulation for 16-bit
-        # what travels ahead with a text block: the block, its full column LSE and its owner's gradient
-        block, column = text.contiguous(), torch.stack([col_lse, g_col])
         d_image = torch.zeros(image.shape, dtype=grad_dtype, device=image.device)
         d_scale = torch.zeros((), dtype=torch.float64, device=image.device)
         d_bias = torch.zeros((), dtype=torch.float64, device=image.device)
-        incoming_grad, grad_handle = None, None
-        for step in range(n):
-            block_handle = None
-            if step < n - 1:
-                k_next = sizes[_block_rank(layout, step + 1)]
-                next_block = text.new_empty(k_next, text.shape[1])
-                next_column = column.new_empty(2, k_next)
-                block_handle = ring.shift([block, column], [next_block, next_column], _BLOCK_TAG)
+        d_text = Travelling(ring, lambda acc, part: part.to(grad_dtype) if acc is None else acc.add_(part))
+        # what travels ahead with a text block: its full column LSE and its owner's gradient of it
+        for step, block, column in blocks(ring, text, torch.stack([col_lse, g_col])):
             di, dt, ds, db = _block_backward(image, block, scale, bias, row_lse, column[0], g_row, g_pos,
                                              column[1], step == 0, ctx.algorithm)
             d_image += di
             d_scale += ds.double()
             d_bias += db.double()
-            if step == 0:
-                travelling = dt.to(grad_dtype)
-            else:
-                ring.wait(grad_handle)
-                travelling = incoming_grad.add_(dt)
+            d_text.fold(step, dt)
             del di, dt  # not alive during the next block's work
-            incoming_grad = travelling.new_empty(sizes[_block_rank(layout, step + 1)], text.shape[1])
-            grad_handle = ring.shift([travelling], [incoming_grad], _TRAVEL_TAG)
-            ring.wait(block_handle)
-            if step < n - 1:
-                block, column = next_block, next_column
-        ring.wait(grad_handle)
-        grads = (d_image.to(image.dtype), incoming_grad.to(text.dtype),
+        grads = (d_image.to(image.dtype), d_text.result().to(text.dtype),
                  d_scale.to(scale.dtype).reshape(scale.shape),
                  None if bias is None else d_bias.to(bias.dtype).reshape(bias.shape))
         return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:4])) + (None, None)
