@@ -29,9 +29,11 @@ from _measure import peak_memory_bytes  # noqa: E402
 RUNS = [(torch.float32, 1, 10.0, -10.0), (torch.float32, 2, 100.0, None), (torch.bfloat16, 3, 10.0, -5.0),
         (torch.float16, 4, 30.0, 0.5)]
 # ring against the gathered mode (same kernel, other chunking and summation order), relative to the
-# largest value: fp32 loss and gradients to a few ulps; 16-bit feature gradients are rounded once
-# from different fp32 sums, so up to an ulp of the 16-bit result apart
-VS_GATHER = {torch.float32: (1e-6, 2e-6), torch.bfloat16: (1e-6, 8e-3), torch.float16: (1e-6, 1e-3)}
+# largest value: (loss, feature gradients, scale / bias gradients). fp32 sums agree to a few ulps
+# (the scale / bias gradients are signed sums, which may cancel: 1e-5); 16-bit feature gradients
+# are rounded once from different fp32 sums, so up to an ulp of the 16-bit result apart
+VS_GATHER = {torch.float32: (1e-6, 2e-6, 1e-5), torch.bfloat16: (1e-6, 8e-3, 1e-5),
+             torch.float16: (1e-6, 1e-3, 1e-5)}
 
 
 def _compare(rank, group, sizes, dtype, seed, scale_value, bias_value, worst, algorithms, check_open_clip):
@@ -64,7 +66,7 @@ def _compare(rank, group, sizes, dtype, seed, scale_value, bias_value, worst, al
                 continue
             assert torch.equal(ring[k], again[k]), f"{case}: ring is not bitwise reproducible ({name})"
             difference = _max_rel(ring[k], gathered[k])
-            tol = VS_GATHER[dtype][0 if k in (0, 3, 4) else 1]
+            tol = VS_GATHER[dtype][{0: 0, 1: 1, 2: 1}.get(k, 2)]
             assert difference <= tol, f"{case}: {name} ring vs gather {difference:.3g} > {tol:.3g}"
             worst[f"ring_vs_gather/{dtype}/{name}"] = max(worst.get(f"ring_vs_gather/{dtype}/{name}", 0.0), difference)
             error = _max_rel(ring[k], want[k])
