@@ -20,7 +20,9 @@ gradient of I_r accumulates locally; that of T_q accumulates in a buffer that tr
 (fp32 for 16-bit features) and arrives at its owner after N hops.
 
 Each rank's per-block work and its logit_scale / logit_bias gradient are those of exchange mode
-(the same row block, cut into N column blocks), so ring mode gives exchange mode's results.
+(the same row block, cut into N column blocks), so ring mode gives exchange mode's results. The
+point-to-point pass (blocks in flight, travelling accumulators) is clipshard/_ring_pass.py, shared
+with SigLIP's ring mode.
 """
 import torch
 
