@@ -23,7 +23,7 @@ from clipshard._checks import check_flags, check_rank_and_world_size
 from clipshard.loss import _as_scalar_tensor
 from clipshard._algorithm import check_algorithm
 from clipshard.siglip_op import ALGORITHMS, siglip_sum
-from clipshard.siglip_ring import siglip_ring_sum
+from clipshard.siglip_ring import siglip_ring_loss
 
 DIST_IMPLS = ("bidir", "shift", "reduce", "gather")
 MODES = ("gather", "ring")
@@ -58,7 +58,7 @@ def _loss(fn, image, text, scale, bias, group, rank_arg=None, world_size_arg=Non
     layout = cdist.shard_layout(fn, image, text, scale, bias, group, config=_CONFIG_CODE + MODES.index(mode),
                                 rank_arg=rank_arg, world_size_arg=world_size_arg)
     if mode == "ring" and layout.world_size > 1:
-        return siglip_ring_sum(image, text, scale, bias, layout, algorithm) / layout.local_size
+        return siglip_ring_loss(image, text, scale, bias, layout, algorithm)
     all_text = cdist.gather_rows(text, layout)
     return siglip_sum(image, all_text, scale, bias, pos_offset=layout.offset, algorithm=algorithm) / layout.local_size
 

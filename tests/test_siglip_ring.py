@@ -10,12 +10,14 @@ tests/test_siglip.py.
 import os
 import sys
 import warnings
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import clipshard
+from clipshard import siglip_ring
 from clipshard.reference import siglip_loss_rank_reference
 from dist_utils import report_worst, run_group
 from test_distributed import ALGORITHMS, _global_batch, _max_rel, _open_clip_loss_class, _run_loss
@@ -36,7 +38,8 @@ VS_GATHER = {torch.float32: (1e-6, 2e-6, 1e-5), torch.bfloat16: (1e-6, 8e-3, 1e-
              torch.float16: (1e-6, 1e-3, 1e-5)}
 
 
-def _compare(rank, group, sizes, dtype, seed, scale_value, bias_value, worst, algorithms, check_open_clip):
+def _compare(rank, group, sizes, dtype, seed, scale_value, bias_value, worst, algorithms, check_open_clip,
+             equal_upstream=False):
     world_size = len(sizes)
     image64, text64 = _global_batch(sum(sizes), 11, seed)
     local = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
@@ -45,6 +48,8 @@ def _compare(rank, group, sizes, dtype, seed, scale_value, bias_value, worst, al
     scale = torch.tensor(scale_value, dtype=torch.float32)
     bias = None if bias_value is None else torch.tensor(bias_value, dtype=torch.float32)
     upstream = [0.5 / m * (1.0 + 0.75 * q) for q, m in enumerate(sizes)]  # realistic, different per rank
+    if equal_upstream:  # DDP's loss.backward(): one weight on every rank (ring's one-pass backward)
+        upstream = [0.37] * world_size
     want = siglip_loss_rank_reference(image_ref, text_ref, scale, bias, sizes, upstream, rank)
     theirs = None
     if check_open_clip:
@@ -112,6 +117,24 @@ def _four_rank_main(rank, world_size):
             _compare(rank, triple, (2, 6, 3), *run, worst, ["auto"], check_open_clip=False)
     if rank < 2:  # N = 2, a subgroup
         _compare(rank, pair, (4, 6), *RUNS[0], worst, ["auto"], check_open_clip=False)
+
+    # Ring's backward reuses the forward's gradients when every rank's upstream gradient is the same
+    # (one pass around the ring per step), else makes a second pass: both paths run (and are checked
+    # above and here); each _compare runs ring twice.
+    for equal, passes in ((True, 2), (False, 4)):
+        calls = []
+        real_pass = siglip_ring._ring_pass
+
+        def counting(*args, **kwargs):
+            calls.append(1)
+            return real_pass(*args, **kwargs)
+
+        with mock.patch.object(siglip_ring, "_ring_pass", counting):
+            for run in RUNS:
+                calls.clear()
+                _compare(rank, None, (5, 1, 7, 4), *run, worst, ["auto"], check_open_clip=False,
+                         equal_upstream=equal)
+                assert len(calls) == passes, (equal, calls)
 
     # Nothing of the size of the batch is gathered: the patched collectives raise in ring mode...
     image, text = torch.randn(6, 8).requires_grad_(), torch.randn(6, 8).requires_grad_()
