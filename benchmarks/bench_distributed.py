@@ -1,7 +1,7 @@
-"""Distributed CLIP loss: clipshard's exchange and local modes against open_clip's ClipLoss
+"""Distributed CLIP loss: clipshard's exchange, ring and local modes against open_clip's ClipLoss
 (local_loss=True, gather_with_grad=True), forward + backward, per rank, all in the same run.
 
-CPU (default): a world-size-2 gloo group on this machine, one thread per rank. CUDA: one process
+CPU (default): a gloo group of --world-size ranks on this machine (2 by default), sharing the cores. CUDA: one process
 per GPU with NCCL; with a single GPU the run is world size 1 (no communication, so it measures the
 local kernels only) and the output says that a multi-GPU run needs more than one GPU.
 
@@ -10,6 +10,7 @@ backward; methods are interleaved step by step so that a busy machine slows all 
 loss step allocates beyond the inputs (benchmarks/_measure.py), in a separate step.
 
     python benchmarks/bench_distributed.py --device cpu --json bench_distributed.json
+    python benchmarks/bench_distributed.py --world-size 4 --batch 2048 --methods exchange,ring
 """
 import datetime
 import os
@@ -33,6 +34,7 @@ def _methods():
 
     methods = {
         "clipshard exchange": lambda r, w: clipshard.ClipLoss(True, True, rank=r, world_size=w, mode="exchange"),
+        "clipshard ring": lambda r, w: clipshard.ClipLoss(True, True, rank=r, world_size=w, mode="ring"),
         "clipshard local": lambda r, w: clipshard.ClipLoss(True, True, rank=r, world_size=w, mode="local"),
     }
     try:
@@ -71,7 +73,8 @@ def _measure_rank(rank, world_size, device, args):
     text = normalize(torch.randn(args.batch, args.dim, generator=gen), dim=1).to(device, dtype).requires_grad_()
     scale = torch.tensor(14.3, device=device, requires_grad=True)
     methods, note = _methods()
-    losses = {name: make(rank, world_size) for name, make in methods.items()}
+    losses = {name: make(rank, world_size) for name, make in methods.items()
+              if args.methods is None or name.split()[-1] in args.methods.split(",")}
 
     def step(loss_fn):
         for t in (image, text, scale):  # gradients of the previous step are freed before measuring
@@ -146,6 +149,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--world-size", type=int, default=2, help="CPU ranks (CUDA: one per GPU)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds before giving up")
+    parser.add_argument("--methods", help="comma-separated subset of exchange,ring,local,open_clip (default: all)")
     args = parser.parse_args()
 
     message = None

@@ -9,7 +9,11 @@ script times (median, 20/80 % quantiles) and measures the peak extra memory (ben
   - clipshard.contrastive_lse(..., algorithm="torch"), the pure-PyTorch chunked path, with autograd;
   - the materialised equivalent: logits = s * A @ B^T, row/column logsumexp and their backward;
   - open_clip's local loss doing the same work: two M x K logit blocks and two cross-entropies;
-  - one plain M x K x D matmul (cuBLAS on CUDA), the rate every TFLOP/s figure is compared with.
+  - one plain M x K x D matmul (cuBLAS on CUDA), the rate every TFLOP/s figure is compared with;
+  - ring mode's work on one rank (clipshard/ring.py) without the transfers: the K columns as K / M
+    blocks of M, each computed forward and backward by the op, with the buffers ring mode keeps
+    (the block in flight, the travelling column LSE and fp32 column gradient). Its peak memory is
+    per-rank ring memory at any world size (it does not depend on K); exchange's is the op's.
 TFLOP/s counts useful FLOPs, the same for every implementation: a forward is 2 GEMM-equivalents
 (the row and the column log-sum-exps, as open_clip computes them), a backward 3 more (2MKD each),
 over the measured time; "x matmul" compares that rate with the plain GEMM's.
@@ -24,6 +28,8 @@ import torch.nn.functional as F
 
 import clipshard  # noqa: F401  (loads torch.ops.clipshard)
 from clipshard._workspace import workspace_bytes
+from clipshard._algorithm import resolve as resolve_algorithm
+from clipshard.fused_op import ALGORITHMS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _measure import (fmt, parser_with_common_arguments, peak_memory_bytes, print_table,  # noqa: E402
@@ -124,6 +130,33 @@ def print_comparisons(results):
             print(f"torch path / chunked CUDA path, {mode}: {portable / chunked:.3f}x (target <= 1.5)")
 
 
+def ring_forward_backward(p, algorithm):
+    """One rank's ring-mode work on K / M blocks of M columns, transfers replaced by copies."""
+    rows, M = p["rows"], p["rows"].shape[0]
+    blocks = p["cols"].split(M)
+    acc = torch.float32
+    row_lse, columns = None, []
+    for block in blocks:  # forward: row LSE folded online, column accumulator passed on
+        in_flight = block.clone()  # the next block, received while this one is computed
+        row, _, col = ops.contrastive_lse_forward(rows, block, p["scale"], None, 0, True, algorithm,
+                                                  p["workspace"], True)
+        row_lse = row if row_lse is None else torch.logaddexp(row_lse, row)
+        # the travelling accumulator and its received copy; the K floats kept stand in for the full
+        # column LSEs that travel with the blocks in backward
+        columns.append(torch.logaddexp(col, col.clone()))
+        del in_flight
+    grad_rows = torch.zeros(rows.shape, dtype=acc, device=rows.device)
+    for block, column in zip(blocks, columns):  # backward: recompute, travelling fp32 column gradient
+        in_flight = block.clone()
+        d_rows, d_cols, _, _ = ops.contrastive_lse_backward(
+            p["g_row"], p["g_pos"], p["g_col"][:M], rows, block, p["scale"], None, 0, row_lse, column, algorithm,
+            p["workspace"], True)
+        grad_rows += d_rows
+        travelling = torch.zeros(block.shape, dtype=acc, device=rows.device).add_(d_cols)  # received + own
+        del in_flight, travelling
+    return grad_rows
+
+
 def materialised_lse(rows, cols, scale, pos):
     logits = scale * rows @ cols.T  # the input dtype, as under autocast
     wide = logits.float()  # what autocast's fp32 log-softmax does
@@ -167,6 +200,7 @@ def main():
     M, K, D, dtype = size["M"], size["K"], size["D"], size["dtype"]
     p = make_problem(M, K, D, dtype, device)
     block = 2 * M * K * D  # FLOPs of one M x K logit block
+    default_algorithm = resolve_algorithm("contrastive_lse", "auto", torch.device(device), ALGORITHMS)
 
     configs = [("matmul M x K x D (reference rate)", lambda: p["rows"] @ p["cols"].T, block, None)]
     for algorithm in ("chunked", "fused"):
@@ -181,6 +215,9 @@ def main():
                             with_forward_rows(n, lambda: op_forward_backward(p, "chunked")), 5 * block, "fwd+bwd"))
     configs.append(("clipshard torch fwd", lambda: torch_path_forward(p), 2 * block, "fwd"))
     configs.append(("clipshard torch fwd+bwd", lambda: torch_path_forward_backward(p), 5 * block, "fwd+bwd"))
+    if K % M == 0:
+        configs.append((f"clipshard ring, {K // M} blocks, fwd+bwd", lambda: ring_forward_backward(p, default_algorithm),
+                        5 * block, "fwd+bwd"))
     configs += [
         ("materialised fwd", lambda: materialised_lse(p["rows"], p["cols"], p["scale"], p["pos"]), 2 * block, "fwd"),
         ("materialised fwd+bwd", lambda: materialised_forward_backward(p), 5 * block, "fwd+bwd"),

@@ -5,7 +5,8 @@ logit_scale 10, logit_bias -10: SigLIP's initialisation). Modes: "forward" with 
 requiring grad (a training step's forward: clipshard computes the gradients here too, see
 docs/siglip.md), "forward+backward", and "forward (no grad)" (evaluation). Then, unless
 --world-size 0, a gloo group of that many ranks on this machine (one thread each) at B_local =
---dist-batch: per-rank forward + backward of clipshard vs open_clip (its default 'bidir' exchange).
+--dist-batch: per-rank forward + backward of clipshard (the default, gathered texts, and
+mode="ring") vs open_clip (its default 'bidir' exchange); --distributed-only skips the one-process part.
 
 CUDA (--device cuda): one rank's share of a world of 8 on one GPU, M = 8192 rows against
 K = 65536 columns, D = 768, bf16: clipshard's fused op on the M x K block vs open_clip's eager
@@ -140,7 +141,8 @@ def _dist_rank(rank, world_size, port, args, results):
                                 timeout=datetime.timedelta(seconds=600))
         warnings.filterwarnings("ignore", category=FutureWarning)
         inputs = make_inputs(args.dist_batch, args.dist_batch, args.dim, torch.float32, "cpu", seed=rank)
-        losses = {"clipshard": clipshard.SigLipLoss(rank=rank, world_size=world_size)}
+        losses = {"clipshard": clipshard.SigLipLoss(rank=rank, world_size=world_size),
+                  "clipshard ring": clipshard.SigLipLoss(rank=rank, world_size=world_size, mode="ring")}
         open_clip_cls = open_clip_loss_class()
         if open_clip_cls is not None:
             losses["open_clip"] = open_clip_cls(rank=rank, world_size=world_size)
@@ -204,6 +206,7 @@ def main():
     parser.add_argument("--dist-batch", type=int, default=4096, help="CPU: local batch per rank, distributed part")
     parser.add_argument("--steps", type=int, default=3, help="timed steps of the distributed part")
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--distributed-only", action="store_true", help="CPU: only the gloo part")
     args = parser.parse_args()
     require_device("bench_siglip", args.device)
     cuda = args.device == "cuda"
@@ -217,14 +220,15 @@ def main():
         shapes = [(b, b) for b in (args.sizes or [4096, 8192])]
         impls = cpu_impls()
 
-    rows = single_process_rows(args, impls, shapes)
-    print_table([
-        ("rows x cols", lambda r: r["batch"]),
-        ("mode", lambda r: r["mode"], "<"),
-        ("impl", lambda r: r["impl"], "<"),
-        *comparison_columns(),
-    ], rows, title=f"\nSigLIP loss, one process ({args.device}, {torch.get_num_threads()} threads), D={args.dim}, "
-                   f"{args.dtype}, scale 10, bias -10; median of {args.repeats}; memory = peak bytes the loss allocates")
+    rows = [] if args.distributed_only else single_process_rows(args, impls, shapes)
+    if rows:
+        print_table([
+            ("rows x cols", lambda r: r["batch"]),
+            ("mode", lambda r: r["mode"], "<"),
+            ("impl", lambda r: r["impl"], "<"),
+            *comparison_columns(),
+        ], rows, title=f"\nSigLIP loss, one process ({args.device}, {torch.get_num_threads()} threads), D={args.dim}, "
+                       f"{args.dtype}, scale 10, bias -10; median of {args.repeats}; memory = peak bytes the loss allocates")
     report = {"meta": {**run_metadata(args.device), "repeats": args.repeats}, "results": rows}
 
     if not cuda and args.world_size > 1:

@@ -13,7 +13,9 @@ def accumulate_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def check_block_features(fn, rows, cols, pos_offset):
+def check_block_features(fn, rows, cols, pos_offset, none_allowed=False):
+    """rows M x D and cols K x D, and pos_offset placing the M positives among the K columns (or
+    None where `none_allowed`: a block without positives, siglip_sum only)."""
     check_feature_pair(fn, ("rows", "cols"), rows, cols, ("M x D", "K x D"))
     if rows.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{fn}: rows must be float32, float16, bfloat16 or float64, got {rows.dtype}")
@@ -24,8 +26,11 @@ def check_block_features(fn, rows, cols, pos_offset):
     if m == 0 or k == 0 or rows.shape[1] == 0:
         raise ValueError(f"{fn}: empty inputs are not supported (need M, K, D >= 1), got rows {tuple(rows.shape)} "
                          f"and cols {tuple(cols.shape)}")
+    if pos_offset is None and none_allowed:
+        return
     if isinstance(pos_offset, bool) or not isinstance(pos_offset, int):
-        raise TypeError(f"{fn}: pos_offset must be an int, got {type(pos_offset).__name__}")
+        expected = "an int or None" if none_allowed else "an int"
+        raise TypeError(f"{fn}: pos_offset must be {expected}, got {type(pos_offset).__name__}")
     if pos_offset < 0 or pos_offset + m > k:
         raise ValueError(f"{fn}: pos_offset must satisfy 0 <= pos_offset and pos_offset + M <= K (M = {m}, K = {k}), "
                          f"got {pos_offset}")

@@ -17,7 +17,7 @@ from clipshard import _algorithm
 from clipshard._block_checks import accumulate_dtype, check_block_features, check_logit_scalar
 from clipshard._checks import check_flags
 from clipshard._workspace import workspace_bytes as _workspace_bytes
-from clipshard.portable_lse import contrastive_lse_torch
+from clipshard.portable_lse import contrastive_lse_backward_torch, contrastive_lse_torch
 
 ALGORITHMS = ("auto", "fused", "chunked", "torch")
 
@@ -108,3 +108,19 @@ def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=Tru
         return contrastive_lse_torch(rows, cols, scale, bias, pos_offset, want_col_lse, budget)
     return torch.ops.clipshard.contrastive_lse_forward(rows, cols, scale, bias, pos_offset, want_col_lse,
                                                        algorithm, budget, deterministic)
+
+
+def contrastive_lse_backward(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, pos_offset,
+                             row_lse, col_lse, *, algorithm="auto", workspace_bytes=None):
+    """The backward of contrastive_lse for log-sum-exps computed elsewhere: ring mode hands it the
+    full row and column LSEs of one block of a larger matrix. Arguments as the op's backward
+    (scale and bias 0-dim tensors, grad_col_lse and col_lse None together); returns (d rows,
+    d cols, d scale, d bias), d bias a zero when bias is None."""
+    algorithm = _algorithm.resolve("contrastive_lse", algorithm, rows.device, ALGORITHMS)
+    budget = _workspace_bytes("contrastive_lse", rows.device, workspace_bytes)
+    if algorithm == "torch":
+        return contrastive_lse_backward_torch(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias,
+                                              pos_offset, row_lse, col_lse, budget)
+    return torch.ops.clipshard.contrastive_lse_backward(
+        grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, pos_offset, row_lse, col_lse,
+        algorithm, budget, torch.are_deterministic_algorithms_enabled())

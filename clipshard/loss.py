@@ -8,7 +8,7 @@ from clipshard._checks import check_feature_pair, check_flags, check_rank_and_wo
 from clipshard._algorithm import check_algorithm
 from clipshard.fused_op import ALGORITHMS, contrastive_lse
 
-_MODES = ("exchange", "local")
+_MODES = ("exchange", "local", "ring")
 
 
 def _check_pair(image_features, text_features, fn="clip_loss"):
@@ -36,10 +36,10 @@ def _resolve_mode(fn, mode, local_loss, gather_with_grad):
     if mode is None:
         return "exchange" if gather_with_grad else "local"
     if mode not in _MODES:
-        raise ValueError(f"{fn}: mode must be 'exchange', 'local' or None, got {mode!r}")
-    if mode == "exchange" and local_loss and not gather_with_grad:
+        raise ValueError(f"{fn}: mode must be 'exchange', 'local', 'ring' or None, got {mode!r}")
+    if mode in ("exchange", "ring") and local_loss and not gather_with_grad:
         raise ValueError(
-            f"{fn}: mode='exchange' cannot reproduce open_clip's (local_loss=True, "
+            f"{fn}: mode={mode!r} cannot reproduce open_clip's (local_loss=True, "
             "gather_with_grad=False) gradients, which drop the terms of each rank's features in the "
             "other ranks' rows; use mode='local' (the default there) or gather_with_grad=True"
         )
@@ -47,7 +47,7 @@ def _resolve_mode(fn, mode, local_loss, gather_with_grad):
 
 
 def _config_code(local_loss, gather_with_grad, mode):
-    return int(local_loss) | int(gather_with_grad) << 1 | int(mode == "exchange") << 2
+    return int(local_loss) | int(gather_with_grad) << 1 | _MODES.index(mode) << 2
 
 
 def _as_scalar_tensor(value, like):
@@ -84,8 +84,10 @@ def clip_loss(image_features, text_features, logit_scale, logit_bias=None, *, lo
     this rank's loss over its own rows and columns of the global similarity matrix, local_loss=False
     the full-batch loss; gather_with_grad=True gives the exact full-batch gradient, False keeps
     open_clip's gradient semantics (docs/distributed.md). mode: "exchange" (default with
-    gather_with_grad=True) or "local". algorithm: contrastive_lse's ("auto", "fused", "chunked" or
-    "torch"; docs/portable.md). Returns a 0-dim fp32 tensor (fp64 for fp64 features).
+    gather_with_grad=True), "local", or "ring" (exchange's results with the text features passed
+    between neighbouring ranks instead of gathered: per-rank memory independent of the world size,
+    slower on small problems). algorithm: contrastive_lse's ("auto", "fused", "chunked" or "torch";
+    docs/portable.md). Returns a 0-dim fp32 tensor (fp64 for fp64 features).
     """
     mode = _resolve_mode("clip_loss", mode, local_loss, gather_with_grad)
     check_algorithm("clip_loss", algorithm, ALGORITHMS)

@@ -118,3 +118,11 @@ class _ContrastiveLse(torch.autograd.Function):
 def contrastive_lse_torch(rows, cols, scale, bias, pos_offset, want_col_lse, budget):
     """contrastive_lse's outputs by the torch path; the arguments were checked by the caller."""
     return _ContrastiveLse.apply(rows, cols, scale, bias, pos_offset, want_col_lse, budget)
+
+
+def contrastive_lse_backward_torch(g_row, g_pos, g_col, rows, cols, scale, bias, pos_offset, row_lse, col_lse,
+                                   budget):
+    """The op's backward contract (every gradient, d bias a zero without bias) by the torch path."""
+    grads = _backward(g_row, g_pos, g_col, rows, cols, scale, bias, pos_offset, row_lse, col_lse, budget,
+                      (True, True, True, bias is not None))
+    return grads[:3] + (grads[3] if bias is not None else torch.zeros_like(grads[2]),)

@@ -40,7 +40,8 @@ def _forward(rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype
             t = torch.addcmul(b, dots, s) if b is not None else dots * s
         else:
             t = dots.mul_(s) if b is None else dots.mul_(s).add_(b)
-        diagonal = chunks.positives(t, begin, pos_offset)[2]
+        # pos_offset None: no positives, t = l everywhere (an empty diagonal view does nothing)
+        diagonal = t.new_empty(0) if pos_offset is None else chunks.positives(t, begin, pos_offset)[2]
         diagonal.neg_()  # t = -z * l
         loss += torch.nn.functional.softplus(t).sum()
         if with_grad:
@@ -86,6 +87,13 @@ def _scaled(grad, grad_loss, dtype, rows_per_step):
         rows = min(rows_per_step, grad.shape[0] - begin)
         out.narrow(0, begin, rows).copy_(grad.narrow(0, begin, rows).to(grad_loss.dtype) * grad_loss)
     return out
+
+
+def siglip_block_torch(rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype):
+    """The torch path of siglip_forward without autograd: (loss_sum, grad_rows, grad_cols, grad_scale,
+    grad_bias), the gradients of the sum for a unit upstream gradient (None without with_grad)."""
+    loss, grads = _forward(rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype)
+    return (loss,) + (grads or (None,) * 4)
 
 
 def siglip_sum_torch(rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype):

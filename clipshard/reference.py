@@ -31,11 +31,13 @@ def clip_loss_reference(image_features, text_features, logit_scale, logit_bias=N
 
 def siglip_sum_reference(rows, cols, scale, bias=None, pos_offset=0):
     """The loss_sum of torch.ops.clipshard.siglip_forward: sum_ij softplus(-z_ij * l_ij) with
-    z_ij = +1 iff j == pos_offset + i, else -1, differentiable through autograd, fp64."""
+    z_ij = +1 iff j == pos_offset + i, else -1 (every z_ij = -1 for pos_offset None),
+    differentiable through autograd, fp64."""
     logits = similarity_reference(rows, cols, scale, bias)
     index = torch.arange(rows.shape[0], device=rows.device)
     labels = -torch.ones_like(logits)
-    labels[index, pos_offset + index] = 1.0
+    if pos_offset is not None:
+        labels[index, pos_offset + index] = 1.0
     return -torch.nn.functional.logsigmoid(labels * logits).sum()
 
 

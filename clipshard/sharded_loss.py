@@ -11,6 +11,8 @@ so that open_clip's per-rank loss (local_loss=True) is P_r / (2M) and its full-b
 - exchange: one fused pass over the row block I_r vs T (gathered); the column LSEs of this rank's
   columns come from combining every rank's partial column LSE (NM floats).
 - local: two fused passes, I_r vs T and T_r vs I (both gathered), row LSEs only.
+- ring: exchange's maths with the text blocks passed around the ring instead of gathered
+  (clipshard/ring.py).
 """
 import functools
 
@@ -18,6 +20,7 @@ import torch
 
 from clipshard import distributed as cdist
 from clipshard.fused_op import contrastive_lse
+from clipshard.ring import ring_partial
 
 
 def exchange_partial(image, text, scale, bias, layout, algorithm="auto"):
@@ -36,6 +39,9 @@ def local_partial(image, text, scale, bias, layout, gather_with_grad=True, algor
     return (image_lse - image_pos).sum() + (text_lse - text_pos).sum()
 
 
+_PARTIALS = {"exchange": exchange_partial, "local": local_partial, "ring": ring_partial}
+
+
 def rank_loss(image, text, scale, bias, layout, mode, gather_with_grad, algorithm="auto"):
     """open_clip's local_loss=True loss of this rank, P_r / (2M), with plain autograd.
 
@@ -43,16 +49,16 @@ def rank_loss(image, text, scale, bias, layout, mode, gather_with_grad, algorith
     the gradient of sum_q g_q * L_q (g_q: rank q's upstream gradient), as in open_clip.
     gather_with_grad=False (local mode only): gathered features are constants, as in open_clip.
     """
-    if mode == "exchange":
-        partial = exchange_partial(image, text, scale, bias, layout, algorithm)
-    else:
+    if mode == "local":
         partial = local_partial(image, text, scale, bias, layout, gather_with_grad, algorithm)
+    else:
+        partial = _PARTIALS[mode](image, text, scale, bias, layout, algorithm)
     return partial / (2 * layout.local_size)
 
 
 def global_loss(image, text, scale, bias, layout, mode, gather_with_grad, algorithm="auto"):
     """open_clip's local_loss=False loss, sum_r P_r / (2NM), the same value on every rank."""
-    partial_fn = functools.partial(exchange_partial if mode == "exchange" else local_partial, algorithm=algorithm)
+    partial_fn = functools.partial(_PARTIALS[mode], algorithm=algorithm)
     return _GlobalLoss.apply(partial_fn, layout, gather_with_grad, image, text, scale, bias)
 
 

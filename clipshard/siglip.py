@@ -6,11 +6,15 @@ Rank r of N holds M_r image/text pairs. Its loss is
     L_r = (1 / M_r) * sum_{i < M_r} sum_{j < sum_q M_q} softplus(-z_ij * l_ij),
     l_ij = logit_scale * x_i . y_j + logit_bias,  z_ij = +1 iff j = offset_r + i, else -1,
 
-over its own images x against the texts y of every rank. Here the texts are all-gathered (in their
-own dtype) and each rank runs the fused op on its row block; the gradient of the gathered texts is
-reduce-scattered to their owners, so a rank's feature gradients are those of sum_q g_q * L_q (g_q:
-rank q's upstream gradient) and its logit_scale / logit_bias gradients are those of its own loss:
-exactly what open_clip's neighbour exchanges compute, for each of its dist_impl values.
+over its own images x against the texts y of every rank. A rank's feature gradients are those of
+sum_q g_q * L_q (g_q: rank q's upstream gradient) and its logit_scale / logit_bias gradients are
+those of its own loss: exactly what open_clip's neighbour exchanges compute, for each of its
+dist_impl values. Two modes compute it:
+- "gather" (the default): the texts are all-gathered (in their own dtype) and each rank runs the
+  fused op on its row block; the gradient of the gathered texts is reduce-scattered to their owners.
+  Per-rank memory O(N M D).
+- "ring": the text blocks travel around the ring of ranks (clipshard/siglip_ring.py), per-rank
+  memory O(M D) whatever the world size; the same loss and gradients.
 """
 import torch
 
@@ -19,11 +23,23 @@ from clipshard._checks import check_flags, check_rank_and_world_size
 from clipshard.loss import _as_scalar_tensor
 from clipshard._algorithm import check_algorithm
 from clipshard.siglip_op import ALGORITHMS, siglip_sum
+from clipshard.siglip_ring import siglip_ring_loss
 
 DIST_IMPLS = ("bidir", "shift", "reduce", "gather")
-# shard_layout's `config`: the same on every rank running this loss, and unlike ClipLoss's codes
-# (0 to 7), so that ranks mixing the two losses raise instead of waiting in different collectives.
+MODES = ("gather", "ring")
+# shard_layout's `config`: the same on every rank running this loss with the same mode, and unlike
+# ClipLoss's codes (0 to 11), so that ranks mixing the two losses or the two modes raise instead of
+# waiting in different collectives.
 _CONFIG_CODE = 1 << 4
+
+
+def _check_mode(fn, mode):
+    """None means "gather" (the default)."""
+    if mode is None:
+        return "gather"
+    if mode not in MODES:
+        raise ValueError(f"{fn}: mode must be 'gather', 'ring' or None, got {mode!r}")
+    return mode
 
 
 def _check_dist_impl(fn, dist_impl):
@@ -36,15 +52,19 @@ def _check_dist_impl(fn, dist_impl):
     return dist_impl
 
 
-def _loss(fn, image, text, scale, bias, group, rank_arg=None, world_size_arg=None, algorithm="auto"):
+def _loss(fn, image, text, scale, bias, group, rank_arg=None, world_size_arg=None, algorithm="auto",
+          mode="gather"):
     scale, bias = _as_scalar_tensor(scale, image), _as_scalar_tensor(bias, image)
-    layout = cdist.shard_layout(fn, image, text, scale, bias, group, config=_CONFIG_CODE,
+    layout = cdist.shard_layout(fn, image, text, scale, bias, group, config=_CONFIG_CODE + MODES.index(mode),
                                 rank_arg=rank_arg, world_size_arg=world_size_arg)
+    if mode == "ring" and layout.world_size > 1:
+        return siglip_ring_loss(image, text, scale, bias, layout, algorithm)
     all_text = cdist.gather_rows(text, layout)
     return siglip_sum(image, all_text, scale, bias, pos_offset=layout.offset, algorithm=algorithm) / layout.local_size
 
 
-def siglip_loss(image_features, text_features, logit_scale, logit_bias=None, *, group=None, algorithm="auto"):
+def siglip_loss(image_features, text_features, logit_scale, logit_bias=None, *, group=None, algorithm="auto",
+                mode=None):
     """SigLIP's sigmoid loss, never materialising the logits.
 
     Distributed when `group` is given or torch.distributed is initialised (then over the world
@@ -52,12 +72,16 @@ def siglip_loss(image_features, text_features, logit_scale, logit_bias=None, *, 
     semantics of open_clip's SigLipLoss (see the module docstring). Local batch sizes may differ
     between ranks. On one device, open_clip's single-process loss. logit_scale (already
     exponentiated) and logit_bias: 0-dim or one-element tensors, or Python numbers. algorithm:
-    siglip_sum's ("auto", "chunked" or "torch"; docs/portable.md). Returns a 0-dim fp32 tensor
-    (fp64 for fp64 features).
+    siglip_sum's ("auto", "chunked" or "torch"; docs/portable.md). mode: "gather" (None, the
+    default: the texts are all-gathered) or "ring" (the same loss and gradients with the text blocks
+    passed between neighbouring ranks: per-rank memory independent of the world size; docs/siglip.md).
+    Returns a 0-dim fp32 tensor (fp64 for fp64 features).
     """
     check_algorithm("siglip_loss", algorithm, ALGORITHMS)
+    mode = _check_mode("siglip_loss", mode)
     group, _ = cdist.resolve_group("siglip_loss", group)
-    return _loss("siglip_loss", image_features, text_features, logit_scale, logit_bias, group, algorithm=algorithm)
+    return _loss("siglip_loss", image_features, text_features, logit_scale, logit_bias, group, algorithm=algorithm,
+                 mode=mode)
 
 
 class SigLipLoss(torch.nn.Module):
@@ -67,12 +91,13 @@ class SigLipLoss(torch.nn.Module):
     world_size=1 with no `group` computes this process's loss alone, like open_clip. Otherwise the
     process group is `group` (default: the world group); rank and world_size, when not left at their
     defaults, must agree with it. dist_impl: any of open_clip's values ('bidir', the default,
-    'shift', 'reduce', 'gather'); all give the same result, since the texts are all-gathered once
-    whatever the value. cache_labels is accepted and has no effect (no label tensor is built).
-    algorithm: see siglip_loss.
+    'shift', 'reduce', 'gather'); all give the same result: the schedule is `mode`'s, not dist_impl's.
+    cache_labels is accepted and has no effect (no label tensor is built). algorithm, mode: see
+    siglip_loss (mode="ring" keeps open_clip's neighbour exchanges' O(M D) per-rank memory).
     """
 
-    def __init__(self, cache_labels=False, rank=0, world_size=1, dist_impl=None, *, group=None, algorithm="auto"):
+    def __init__(self, cache_labels=False, rank=0, world_size=1, dist_impl=None, *, group=None, algorithm="auto",
+                 mode=None):
         super().__init__()
         check_flags("SigLipLoss", cache_labels=cache_labels)
         check_rank_and_world_size("SigLipLoss", rank, world_size)
@@ -83,6 +108,7 @@ class SigLipLoss(torch.nn.Module):
         self.group = group
         check_algorithm("SigLipLoss", algorithm, ALGORITHMS)
         self.algorithm = algorithm
+        self.mode = _check_mode("SigLipLoss", mode)
 
     def forward(self, image_features, text_features, logit_scale, logit_bias, output_dict=False):
         """The SigLIP loss of this rank's batch, as open_clip's SigLipLoss.forward computes it.
@@ -110,5 +136,6 @@ class SigLipLoss(torch.nn.Module):
             explicit = not (self.world_size == 1 and self.rank == 0)
             loss = _loss("SigLipLoss", image_features, text_features, logit_scale, logit_bias, group,
                          rank_arg=self.rank if explicit else None,
-                         world_size_arg=self.world_size if explicit else None, algorithm=self.algorithm)
+                         world_size_arg=self.world_size if explicit else None, algorithm=self.algorithm,
+                         mode=self.mode)
         return {"contrastive_loss": loss} if output_dict else loss

@@ -3,7 +3,7 @@
 `siglip_sum(rows, cols, scale, bias, pos_offset)` returns
 
     sum_{i < M, j < K} softplus(-z_ij * l_ij),   l_ij = scale * rows_i . cols_j + bias,
-    z_ij = +1 if j == pos_offset + i else -1,
+    z_ij = +1 if j == pos_offset + i else -1   (pos_offset None: -1 for every pair, a block without positives),
 
 without ever materialising the M x K logits (docs/siglip.md). The loss has no normaliser, so the
 op computes the gradients of that sum in the same chunked pass as the loss when a gradient will be
@@ -19,7 +19,7 @@ import torch
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
 from clipshard import _algorithm, _workspace
 from clipshard._block_checks import accumulate_dtype, check_block_features, check_logit_scalar
-from clipshard.portable_siglip import siglip_sum_torch
+from clipshard.portable_siglip import siglip_block_torch, siglip_sum_torch
 
 ALGORITHMS = ("auto", "chunked", "torch")
 
@@ -81,7 +81,8 @@ def siglip_sum(rows, cols, scale, bias=None, pos_offset=0, *, algorithm="auto", 
         cols: K x D features, same dtype and device, e.g. all ranks' text features.
         scale: logit scale, already exponentiated (a Python float or a 0-dim tensor; differentiable).
         bias: optional logit bias (float or 0-dim tensor; differentiable).
-        pos_offset: row i's positive is column pos_offset + i (0 <= pos_offset, pos_offset + M <= K).
+        pos_offset: row i's positive is column pos_offset + i (0 <= pos_offset, pos_offset + M <= K);
+            None: no positives, every pair is a negative (a block of texts from another rank).
         algorithm: "auto" (default: the compiled "chunked" op on the CPU, and on CUDA when the
             extension has its CUDA kernels; "torch" on every other device, with a warning the first
             time; CLIPSHARD_ALGORITHM=torch makes "auto" pick "torch" everywhere), "chunked" or
@@ -92,7 +93,7 @@ def siglip_sum(rows, cols, scale, bias=None, pos_offset=0, *, algorithm="auto", 
         0-dim fp32 tensor (fp64 for fp64 inputs): sum_ij softplus(-z_ij * l_ij). Differentiable with
         respect to rows, cols, scale and bias.
     """
-    check_block_features("siglip_sum", rows, cols, pos_offset)
+    check_block_features("siglip_sum", rows, cols, pos_offset, none_allowed=True)
     scale = check_logit_scalar("siglip_sum", "scale", scale, rows)
     if bias is not None:
         bias = check_logit_scalar("siglip_sum", "bias", bias, rows)
@@ -103,3 +104,18 @@ def siglip_sum(rows, cols, scale, bias=None, pos_offset=0, *, algorithm="auto", 
     if algorithm == "torch":
         return siglip_sum_torch(rows, cols, scale, bias, pos_offset, with_grad, budget, _saved_grad_dtype(rows.dtype))
     return torch.ops.clipshard.siglip_forward(rows, cols, scale, bias, pos_offset, with_grad, budget)[0]
+
+
+def siglip_block(rows, cols, scale, bias, pos_offset, with_grad, *, algorithm="auto", workspace_bytes=None):
+    """siglip_forward's outputs without autograd, for a caller that weighs the gradients itself (the
+    SigLIP ring, clipshard/siglip_ring.py): (loss_sum, grad_rows, grad_cols, grad_scale, grad_bias),
+    the gradients of the sum for a unit upstream gradient in siglip_forward's dtypes (unused ones
+    empty or None). Arguments as siglip_sum's, scale and bias already 0-dim tensors, checked by the
+    caller; pos_offset None for a block without positives."""
+    algorithm = _algorithm.resolve("siglip_sum", algorithm, rows.device, ALGORITHMS)
+    budget = _workspace.workspace_bytes("siglip_sum", rows.device, workspace_bytes)
+    with torch.no_grad():
+        if algorithm == "torch":
+            return siglip_block_torch(rows, cols, scale, bias, pos_offset, with_grad, budget,
+                                      _saved_grad_dtype(rows.dtype))
+        return torch.ops.clipshard.siglip_forward(rows, cols, scale, bias, pos_offset, with_grad, budget)

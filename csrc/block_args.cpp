@@ -21,7 +21,7 @@ void check_scalar_tensor(const char* op, const char* name, const at::Tensor& t, 
 }  // namespace
 
 void check_block_inputs(const char* op, const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& scale,
-                        const std::optional<at::Tensor>& bias, int64_t pos_offset) {
+                        const std::optional<at::Tensor>& bias, std::optional<int64_t> pos_offset) {
   TORCH_CHECK(rows.dim() == 2, op, ": rows must be 2-D (M x D), got shape ", rows.sizes());
   TORCH_CHECK(cols.dim() == 2, op, ": cols must be 2-D (K x D), got shape ", cols.sizes());
   TORCH_CHECK(rows.device() == cols.device(), op, ": rows and cols must be on the same device, got ",
@@ -37,10 +37,11 @@ void check_block_inputs(const char* op, const at::Tensor& rows, const at::Tensor
               cols.sizes());
   check_scalar_tensor(op, "scale", scale, rows);
   if (bias.has_value()) check_scalar_tensor(op, "bias", *bias, rows);
+  if (!pos_offset.has_value()) return;
   const int64_t M = rows.size(0), K = cols.size(0);
-  TORCH_CHECK(pos_offset >= 0 && pos_offset + M <= K, op,
+  TORCH_CHECK(*pos_offset >= 0 && *pos_offset + M <= K, op,
               ": pos_offset must satisfy 0 <= pos_offset and pos_offset + M <= K (M = ", M, ", K = ", K,
-              "), got ", pos_offset);
+              "), got ", *pos_offset);
 }
 
 }  // namespace clipshard

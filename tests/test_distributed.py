@@ -241,7 +241,7 @@ def _ddp_rank(rank, world_size):
     want = {n: p.grad for n, p in reference_model.named_parameters()}
     local = slice(rank * batch, (rank + 1) * batch)
     for local_loss in (True, False):
-        for mode in ("exchange", "local"):
+        for mode in ("exchange", "local", "ring"):
             model = DistributedDataParallel(_TinyClip())
             loss_fn = clipshard.ClipLoss(local_loss, True, rank=rank, world_size=world_size, mode=mode)
             loss_fn(*model(images[local], texts[local])).backward()
@@ -304,7 +304,7 @@ def test_errors_without_group():
         clipshard.ClipLoss(use_horovod=True)
     with pytest.raises(RuntimeError, match="world_size=2 but torch.distributed is not initialised"):
         clipshard.ClipLoss(rank=0, world_size=2)(image, text, scale)
-    with pytest.raises(ValueError, match="mode must be 'exchange', 'local' or None, got 'both'"):
+    with pytest.raises(ValueError, match="mode must be 'exchange', 'local', 'ring' or None, got 'both'"):
         clipshard.ClipLoss(mode="both")
     with pytest.raises(ValueError, match="mode='exchange' cannot reproduce"):
         clipshard.ClipLoss(local_loss=True, gather_with_grad=False, mode="exchange")

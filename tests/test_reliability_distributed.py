@@ -59,6 +59,7 @@ CASES = ["integer logit_scale", "integer logit_bias", "logit_scale dtype differs
 def _loss_calls():
     yield "clip_loss exchange", lambda *a: clipshard.clip_loss(*a, local_loss=True)
     yield "clip_loss local", lambda *a: clipshard.clip_loss(*a, local_loss=False, mode="local")
+    yield "clip_loss ring", lambda *a: clipshard.clip_loss(*a, local_loss=True, mode="ring")
     yield "ClipLoss", lambda *a: clipshard.ClipLoss(True, True, rank=dist.get_rank(), world_size=2)(*a)
 
 

@@ -34,7 +34,8 @@ def logit_gradient_sums(rows, cols, scale, bias, pos_offset):
     logits = scale * dots + (0.0 if bias is None else bias)
     z = -torch.ones_like(logits)
     index = torch.arange(rows.shape[0])
-    z[index, pos_offset + index] = 1.0
+    if pos_offset is not None:
+        z[index, pos_offset + index] = 1.0
     dl = torch.sigmoid(-z * logits)
     return dl.sum().item(), (dl * dots.abs()).sum().item()
 
@@ -74,14 +75,14 @@ def fp32_gradient_floor(dtype, scale, m, k, upstream):
 
 
 
-def run_case(dtype, m, k, d, pos_offset, scale, bias, upstream, workspace_bytes=None):
+def run_case(dtype, m, k, d, pos_offset, scale, bias, upstream, workspace_bytes=None, algorithm="auto"):
     rows = features(m, d, dtype, seed=1).requires_grad_()
     cols = features(k, d, dtype, seed=2).requires_grad_()
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     s = torch.tensor(scale, dtype=acc, requires_grad=True)
     b = None if bias is None else torch.tensor(bias, dtype=acc, requires_grad=True)
     inputs = [rows, cols, s] + ([b] if b is not None else [])
-    out = siglip_sum(rows, cols, s, b, pos_offset, workspace_bytes=workspace_bytes)
+    out = siglip_sum(rows, cols, s, b, pos_offset, workspace_bytes=workspace_bytes, algorithm=algorithm)
     assert out.dtype == acc and out.dim() == 0
     grads = torch.autograd.grad(out * upstream, inputs)
 
@@ -143,6 +144,27 @@ def test_chunk_boundaries(dtype):
                 if g.numel():
                     assert rel_error(g, w) <= grad_tol(dtype, 10.0), (m, k, budget)
         run_case(dtype, m, k, d, pos_offset, 10.0, -10.0, upstream=1.0, workspace_bytes=budget)
+
+
+@pytest.mark.parametrize("algorithm", ["chunked", "torch"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_block_without_positives(dtype, algorithm):
+    """pos_offset=None (a foreign block of the SigLIP ring, docs/siglip.md): every pair a negative,
+    against the fp64 reference, for any M and K (M > K too), over several chunks, with and without
+    gradients; the compiled op and the torch path."""
+    bytes_per_logit = 2 * (8 if dtype == torch.float64 else 4)
+    cases = [(7, 3, 5, None), (1, 1, 3, None), (40, 300, 7, 128 * 40 * bytes_per_logit)]  # chunks 128, 128, 44
+    for m, k, d, budget in cases:
+        for bias in (-10.0, None):
+            run_case(dtype, m, k, d, None, 10.0, bias, upstream=0.5 / m, workspace_bytes=budget, algorithm=algorithm)
+    rows, cols = features(40, 7, dtype, seed=5), features(300, 7, dtype, seed=6)
+    s, b = (torch.tensor(v, dtype=torch.float64 if dtype == torch.float64 else torch.float32) for v in (10.0, -1.0))
+    without = siglip_sum(rows, cols, s, b, None, algorithm=algorithm, workspace_bytes=128 * 40 * 16)
+    ref = siglip_sum_reference(rows.double(), cols.double(), s.double(), b.double(), None)
+    assert abs(without.item() - ref.item()) <= loss_tol(dtype, 10.0) * ref.item()
+    # the check can fail: with positives the sum differs by far more than the tolerance
+    with_positives = siglip_sum(rows, cols, s, b, 0, algorithm=algorithm)
+    assert abs(with_positives.item() - ref.item()) > 100 * loss_tol(dtype, 10.0) * ref.item()
 
 
 def test_matches_open_clip():
@@ -287,6 +309,7 @@ def test_opcheck():
     grad_args = [x.clone().requires_grad_() for x in (rows, cols, s, b)]
     torch.library.opcheck(fwd, (*grad_args, 3, True, 1))
     torch.library.opcheck(fwd, (*[x.double() for x in grad_args[:3]], None, 25, True, 1 << 20))
+    torch.library.opcheck(fwd, (*grad_args, None, True, 1))  # a block without positives
 
 
 def test_compile_fullgraph():
@@ -373,7 +396,7 @@ BAD_WRAPPER_CASES = [
     ((torch.ones(3, 2), torch.ones(3, 2), "1.0"), {}, TypeError, "scale must be a float"),
     ((torch.ones(3, 2), torch.ones(3, 2), 1.0, torch.ones(2, 1)), {}, ValueError, "bias must be a one-element tensor"),
     ((torch.ones(3, 2), torch.ones(4, 2), 1.0, None, 2), {}, ValueError, "pos_offset must satisfy"),
-    ((torch.ones(3, 2), torch.ones(4, 2), 1.0, None, 1.0), {}, TypeError, "pos_offset must be an int"),
+    ((torch.ones(3, 2), torch.ones(4, 2), 1.0, None, 1.0), {}, TypeError, "pos_offset must be an int or None"),
     ((torch.ones(3, 2), torch.ones(4, 2), 1.0), {"workspace_bytes": 0}, ValueError, "workspace_bytes"),
 ]
 
@@ -397,6 +420,7 @@ def test_bad_input_op():
         ((ok, ok, torch.ones(1), None, 0, True, 1), "scale must be a 0-dim"),
         ((ok, ok, s, torch.tensor(1), 0, True, 1), "bias must be a floating-point"),
         ((ok, ok, s, None, 1, True, 1), "pos_offset"),
+        ((ok, ok, s, None, -1, True, 1), "pos_offset"),
         ((ok, ok, s, None, 0, True, 0), "workspace_bytes"),
     ]
     for args, message in cases:

@@ -35,7 +35,7 @@ template <typename T>
 struct ChunkRows {
   const T* dots;  // M x width raw similarities
   T* dlogits;     // M x width: s * d loss / d logit, or null
-  int64_t width, begin, pos_offset;
+  int64_t width, begin, pos_offset;  // kernel_pos_offset: kNoPositives for a block without positives
   T scale, bias;
   double* loss;        // per-row accumulators (M each)
   double* grad_scale;  // sum of dl * dot
@@ -142,7 +142,7 @@ double sum_in_order(const std::vector<double>& v) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> siglip_forward_cpu(
     const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
-    int64_t pos_offset, bool with_grad, int64_t workspace_bytes) {
+    std::optional<int64_t> pos_offset, bool with_grad, int64_t workspace_bytes) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal tensor maths is not differentiated
   check_siglip_inputs(rows, cols, scale, bias, pos_offset, workspace_bytes);
   // The CPU has no 16-bit-in / fp32-out GEMM: the driver gets fp32 (fp64) copies.
@@ -152,7 +152,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> siglip_fo
   std::vector<double> loss(M, 0.0), grad_scale(with_grad ? M : 0, 0.0), grad_bias(with_grad ? M : 0, 0.0);
   at::Tensor grad_rows = at::empty({0}, rows.options()), grad_cols = at::empty({0}, cols.options());
   AT_DISPATCH_FLOATING_TYPES(acc, "siglip_forward_cpu", [&] {
-    ChunkRows<scalar_t> c{nullptr, nullptr, 0, 0, pos_offset, scale.item<scalar_t>(),
+    ChunkRows<scalar_t> c{nullptr, nullptr, 0, 0, kernel_pos_offset(pos_offset), scale.item<scalar_t>(),
                           bias.has_value() ? bias->item<scalar_t>() : scalar_t(0), loss.data(),
                           grad_scale.data(), grad_bias.data()};
     const int64_t logit_bytes = int64_t(sizeof(scalar_t)) * (with_grad ? 2 : 1);  // dots (+ dlogits)

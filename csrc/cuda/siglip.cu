@@ -51,9 +51,10 @@ void launch(const chunked::Chunk& chunk, DL* dlogits, int64_t pos_offset, const 
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> siglip_forward_cuda(
     const Tensor& rows_in, const Tensor& cols_in, const Tensor& scale_in, const std::optional<Tensor>& bias_in,
-    int64_t pos_offset, bool with_grad, int64_t workspace_bytes) {
+    std::optional<int64_t> pos_offset_in, bool with_grad, int64_t workspace_bytes) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_siglip_inputs(rows_in, cols_in, scale_in, bias_in, pos_offset, workspace_bytes);
+  check_siglip_inputs(rows_in, cols_in, scale_in, bias_in, pos_offset_in, workspace_bytes);
+  const int64_t pos_offset = kernel_pos_offset(pos_offset_in);  // kNoPositives: no positives
   TORCH_CHECK(rows_in.is_cuda(), "siglip_forward: rows must be on a CUDA device, got ", rows_in.device());
   TORCH_CHECK(rows_in.scalar_type() != at::kDouble,
               "siglip_forward: the CUDA kernel takes float32, float16 or bfloat16 features, got Double "

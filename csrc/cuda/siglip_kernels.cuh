@@ -24,7 +24,7 @@ template <typename DL>
 struct ChunkParams {
   const float* dots;  // rows x width, contiguous: raw similarities of columns [begin, begin + width)
   DL* dlogits;        // rows x width, or nullptr in the loss-only pass
-  int64_t rows, width, begin, pos_offset;  // row i's positive is global column pos_offset + i
+  int64_t rows, width, begin, pos_offset;  // row i's positive is global column pos_offset + i (none: kNoPositives)
   const float* scale;     // device scalar
   const float* bias;      // device scalar, or nullptr for no bias
   const float* prescale;  // device scalar multiplying the written gradients, or nullptr for 1

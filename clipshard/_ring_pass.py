@@ -1,0 +1,96 @@
+"""One pass around the ring of ranks, shared by the ring modes of ClipLoss (clipshard/ring.py) and
+SigLipLoss (clipshard/siglip_ring.py); docs/distributed.md, "Ring mode".
+
+Rank r of N keeps its image rows. At step k = 0 .. N-1 it holds the text block of rank
+q = (r - k) mod N: `blocks` hands it out with the next block already in flight from rank r - 1
+(and the current one on its way to rank r + 1), so the transfer runs during the caller's work on
+the block; two block buffers, whatever N. `Travelling` is an accumulator per text block that follows
+its block one step behind: every rank folds its part in and passes it on, and after N hops it is
+back with the block's owner, complete. Point-to-point transfers only (`batch_isend_irecv`, a send
+to the next rank and a receive from the previous one in one batch, the pattern NCCL needs to avoid
+a deadlock in a ring); the order of every fold is fixed, so results are bitwise reproducible.
+"""
+import torch.distributed as dist
+
+# gloo matches point-to-point messages by (peer, tag): blocks and travelling buffers use their own
+# tags (NCCL ignores tags and matches in issue order, which is the same on every rank).
+_BLOCK_TAG, _TRAVEL_TAG = 1, 2
+
+
+class Ring:
+    """This rank's neighbours: it sends to the next rank and receives from the previous one."""
+
+    def __init__(self, layout):
+        n, r = layout.world_size, layout.rank
+        self.layout = layout
+        self.next = dist.get_global_rank(layout.group, (r + 1) % n)
+        self.prev = dist.get_global_rank(layout.group, (r - 1) % n)
+
+    def block_size(self, step):
+        """Rows of the text block this rank holds at `step` (that of rank (r - step) mod N)."""
+        layout = self.layout
+        return layout.sizes[(layout.rank - step) % layout.world_size]
+
+    def shift(self, sends, receive_into, tag):
+        """Start sending every tensor of `sends` to the next rank and receiving into the buffers
+        `receive_into` from the previous rank; returns a handle for `wait`."""
+        group = self.layout.group
+        ops = [dist.P2POp(dist.isend, t, self.next, group, tag) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, self.prev, group, tag) for t in receive_into]
+        # the tensors must stay alive until the transfer is done: keep them with the works
+        return dist.batch_isend_irecv(ops), sends
+
+    @staticmethod
+    def wait(handle):
+        if handle is not None:
+            for work in handle[0]:
+                work.wait()
+
+
+def blocks(ring, text, companion=None):
+    """Yields (step, block, companion) for step = 0 .. N-1: this rank's text block at step 0, then
+    the blocks of ranks r - 1, r - 2, ... The next block is in flight while the caller works on the
+    current one. `companion` (optional, last dimension K_q): what travels with the block, e.g. its
+    full column LSE (clipshard/ring.py's backward)."""
+    n = ring.layout.world_size
+    block = text.contiguous()
+    for step in range(n):
+        handle = None
+        if step < n - 1:
+            k_next = ring.block_size(step + 1)
+            next_block = block.new_empty(k_next, block.shape[1])
+            sends, receives = [block], [next_block]
+            if companion is not None:
+                next_companion = companion.new_empty(*companion.shape[:-1], k_next)
+                sends, receives = sends + [companion], receives + [next_companion]
+            handle = ring.shift(sends, receives, _BLOCK_TAG)
+        yield step, block, companion
+        ring.wait(handle)
+        if step < n - 1:
+            block = next_block
+            companion = next_companion if companion is not None else None
+
+
+class Travelling:
+    """The accumulator of the block this rank holds, one step behind the block: `fold(step, part)`
+    folds this rank's part of the block of `step` into the accumulator received from the previous
+    rank (step 0: starts it with `fold(None, part)`) and sends it on; after step N - 1, `result()`
+    is the finished accumulator of this rank's own block, after its N-th hop."""
+
+    def __init__(self, ring, combine):
+        self.ring, self.combine = ring, combine
+        self.incoming, self.handle = None, None
+
+    def fold(self, step, part):
+        if step == 0:
+            accumulator = self.combine(None, part)
+        else:
+            self.ring.wait(self.handle)
+            accumulator = self.combine(self.incoming, part)
+        shape = (self.ring.block_size(step + 1),) + tuple(accumulator.shape[1:])
+        self.incoming = accumulator.new_empty(shape)
+        self.handle = self.ring.shift([accumulator], [self.incoming], _TRAVEL_TAG)
+
+    def result(self):
+        self.ring.wait(self.handle)
+        return self.incoming
