@@ -155,8 +155,8 @@ def test_block_without_positives(dtype, algorithm):
     bytes_per_logit = 2 * (8 if dtype == torch.float64 else 4)
     cases = [(7, 3, 5, None), (1, 1, 3, None), (40, 300, 7, 128 * 40 * bytes_per_logit)]  # chunks 128, 128, 44
     for m, k, d, budget in cases:
-        for bias in (-10.0, None):
-            run_case(dtype, m, k, d, None, 10.0, bias, upstream=0.5 / m, workspace_bytes=budget, algorithm=algorithm)
+        for scale, bias in ((10.0, -10.0), (10.0, None), (100.0, 5.0)):  # scale 100: many logits above 20
+            run_case(dtype, m, k, d, None, scale, bias, upstream=0.5 / m, workspace_bytes=budget, algorithm=algorithm)
     rows, cols = features(40, 7, dtype, seed=5), features(300, 7, dtype, seed=6)
     s, b = (torch.tensor(v, dtype=torch.float64 if dtype == torch.float64 else torch.float32) for v in (10.0, -1.0))
     without = siglip_sum(rows, cols, s, b, None, algorithm=algorithm, workspace_bytes=128 * 40 * 16)
