@@ -11,11 +11,11 @@ forward function object back. docs/transformers.md.
 """
 import dataclasses
 import functools
-import importlib
 import inspect
 import logging
 
 from clipshard.integrations import transformers_models as models
+from clipshard.integrations.supported_import import import_supported
 from clipshard.integrations.transformers_loss import global_batch_loss
 
 _LOG = logging.getLogger("clipshard")
@@ -24,16 +24,7 @@ _FN = "clipshard.apply_to_transformers"
 
 def import_transformers(fn=_FN):
     """transformers, checked to be a supported version; a clear ImportError otherwise."""
-    try:
-        transformers = importlib.import_module("transformers")
-    except ImportError as e:
-        raise ImportError(f"{fn}: transformers is not installed ({e}); install clipshard with its extra, "
-                          "pip install 'clipshard[transformers]' (transformers 5.23.x)") from e
-    version = getattr(transformers, "__version__", "unknown")
-    if ".".join(version.split(".")[:2]) not in models.SUPPORTED_VERSIONS:
-        raise ImportError(f"{fn}: transformers {version} is not supported; clipshard supports "
-                          f"{', '.join(v + '.x' for v in models.SUPPORTED_VERSIONS)}")
-    return transformers
+    return import_supported(fn, "transformers", "transformers", "transformers", models.SUPPORTED_VERSIONS)
 
 
 def _with_global_loss(original, entry, logits):
