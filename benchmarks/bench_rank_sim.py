@@ -10,7 +10,7 @@ script times (median, 20/80 % quantiles) and measures the peak extra memory (ben
   - the materialised equivalent: logits = s * A @ B^T, row/column logsumexp and their backward;
   - open_clip's local loss doing the same work: two M x K logit blocks and two cross-entropies;
   - one plain M x K x D matmul (cuBLAS on CUDA), the rate every TFLOP/s figure is compared with;
-  - ring mode's work on one rank (clipshard/ring.py) without the transfers: the K columns as K / M
+  - ring mode's work on one rank (clipshard/parallel/ring.py) without the transfers: the K columns as K / M
     blocks of M, each computed forward and backward by the op, with the buffers ring mode keeps
     (the block in flight, the travelling column LSE and fp32 column gradient). Its peak memory is
     per-rank ring memory at any world size (it does not depend on K); exchange's is the op's.
@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 
 import clipshard  # noqa: F401  (loads torch.ops.clipshard)
-from clipshard._workspace import workspace_bytes
-from clipshard._algorithm import resolve as resolve_algorithm
-from clipshard.fused_op import ALGORITHMS
+from clipshard.ops._workspace import workspace_bytes
+from clipshard.ops._algorithm import resolve as resolve_algorithm
+from clipshard.ops.contrastive_lse import ALGORITHMS
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _measure import (fmt, parser_with_common_arguments, peak_memory_bytes, print_table,  # noqa: E402

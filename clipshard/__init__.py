@@ -3,13 +3,13 @@ import torch  # noqa: F401  (loads libtorch before the extension)
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
 from clipshard import optim  # noqa: F401  (clipshard.optim.AdamW, to_half_precision_)
-from clipshard.fused_op import contrastive_lse
+from clipshard.ops.contrastive_lse import contrastive_lse
 from clipshard.integrations.open_clip_patch import apply_to_open_clip
 from clipshard.integrations.transformers_patch import apply_to_transformers
 from clipshard.loss import ClipLoss, clip_loss
 from clipshard.rounding import stochastic_round, stochastic_round_
 from clipshard.siglip import SigLipLoss, siglip_loss
-from clipshard.siglip_op import siglip_sum
+from clipshard.ops.siglip_sum import siglip_sum
 
 __version__ = "0.1.0"
 __all__ = ["ClipLoss", "SigLipLoss", "apply_to_open_clip", "apply_to_transformers", "clip_loss", "contrastive_lse",

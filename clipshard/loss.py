@@ -2,11 +2,11 @@
 One device: docs/fused_loss.md; over ranks: docs/distributed.md."""
 import torch
 
-from clipshard import distributed as cdist
-from clipshard import sharded_loss
+from clipshard.parallel import collectives as cdist
+from clipshard.parallel import exchange
 from clipshard._checks import check_feature_pair, check_flags, check_rank_and_world_size
-from clipshard._algorithm import check_algorithm
-from clipshard.fused_op import ALGORITHMS, contrastive_lse
+from clipshard.ops._algorithm import check_algorithm
+from clipshard.ops.contrastive_lse import ALGORITHMS, contrastive_lse
 
 _MODES = ("exchange", "local", "ring")
 
@@ -70,8 +70,8 @@ def _sharded_clip_loss(fn, image, text, scale, bias, *, local_loss, gather_with_
     if layout.world_size == 1:  # a group of one: every option gives the single-device loss
         return _single_device_loss(image, text, scale, bias, fn, algorithm)
     if local_loss:
-        return sharded_loss.rank_loss(image, text, scale, bias, layout, mode, gather_with_grad, algorithm)
-    return sharded_loss.global_loss(image, text, scale, bias, layout, mode, gather_with_grad, algorithm)
+        return exchange.rank_loss(image, text, scale, bias, layout, mode, gather_with_grad, algorithm)
+    return exchange.global_loss(image, text, scale, bias, layout, mode, gather_with_grad, algorithm)
 
 
 def clip_loss(image_features, text_features, logit_scale, logit_bias=None, *, local_loss=False,

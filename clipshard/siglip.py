@@ -13,17 +13,17 @@ dist_impl values. Two modes compute it:
 - "gather" (the default): the texts are all-gathered (in their own dtype) and each rank runs the
   fused op on its row block; the gradient of the gathered texts is reduce-scattered to their owners.
   Per-rank memory O(N M D).
-- "ring": the text blocks travel around the ring of ranks (clipshard/siglip_ring.py), per-rank
+- "ring": the text blocks travel around the ring of ranks (clipshard/parallel/siglip_ring.py), per-rank
   memory O(M D) whatever the world size; the same loss and gradients.
 """
 import torch
 
-from clipshard import distributed as cdist
+from clipshard.parallel import collectives as cdist
 from clipshard._checks import check_flags, check_rank_and_world_size
 from clipshard.loss import _as_scalar_tensor
-from clipshard._algorithm import check_algorithm
-from clipshard.siglip_op import ALGORITHMS, siglip_sum
-from clipshard.siglip_ring import siglip_ring_loss
+from clipshard.ops._algorithm import check_algorithm
+from clipshard.ops.siglip_sum import ALGORITHMS, siglip_sum
+from clipshard.parallel.siglip_ring import siglip_ring_loss
 
 DIST_IMPLS = ("bidir", "shift", "reduce", "gather")
 MODES = ("gather", "ring")

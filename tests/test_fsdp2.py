@@ -51,7 +51,7 @@ def _grad_like(p, full):
     """This rank's part of the full gradient `full`, laid out as parameter p (FSDP2's layout)."""
     from torch.distributed.tensor import DTensor
 
-    from clipshard.optim_dtensor import index_base
+    from clipshard.optim.dtensor import index_base
     if not isinstance(p, DTensor):
         return full.clone()
     local = p.to_local()
@@ -80,7 +80,7 @@ def _optimizer(model, state_dtype):
 
 
 def _full(t):
-    from clipshard.optim_dtensor import is_dtensor
+    from clipshard.optim.dtensor import is_dtensor
     return (t.full_tensor() if is_dtensor(t) else t).detach().clone()
 
 
@@ -142,7 +142,7 @@ def _fp32_against_torch(world_size):
 
 def _bytes_per_parameter(model, opt):
     """This rank's bytes of parameters and moments per parameter element it holds."""
-    from clipshard.optim_dtensor import local
+    from clipshard.optim.dtensor import local
     numel = held = 0
     for p in model.parameters():
         state = opt.state[p]

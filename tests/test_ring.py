@@ -1,4 +1,4 @@
-"""Ring mode (clipshard/ring.py) over real multi-process gloo groups: the same loss and gradients as
+"""Ring mode (clipshard/parallel/ring.py) over real multi-process gloo groups: the same loss and gradients as
 exchange mode, open_clip's ClipLoss and the fp64 reference; bitwise reproducible; per-rank memory
 that does not grow with the world size; no gather of the batch; errors before any P2P transfer.
 
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import clipshard
-from clipshard import distributed as cdist
+from clipshard.parallel import collectives as cdist
 from clipshard.reference import clip_loss_rank_reference
 from dist_utils import report_worst, run_group
 from test_distributed import TOLERANCE, _error, _global_batch, _open_clip_loss_class, _run_loss

@@ -1,4 +1,4 @@
-"""SigLIP ring mode (clipshard/siglip_ring.py) over real multi-process gloo groups: the same loss and
+"""SigLIP ring mode (clipshard/parallel/siglip_ring.py) over real multi-process gloo groups: the same loss and
 gradients as the gathered mode (the default), open_clip's SigLipLoss and the fp64 reference, with
 the compiled kernel and the torch path; bitwise reproducible; no gather of the batch; per-rank
 memory that does not grow with the world size.
@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import clipshard
-from clipshard import siglip_ring
+from clipshard.parallel import siglip_ring
 from clipshard.reference import siglip_loss_rank_reference
 from dist_utils import report_worst, run_group
 from test_distributed import ALGORITHMS, _global_batch, _max_rel, _open_clip_loss_class, _run_loss

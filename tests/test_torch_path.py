@@ -15,11 +15,12 @@ import pytest
 import torch
 
 import clipshard
-from clipshard import _algorithm, _portable_chunks, contrastive_lse, portable_lse, portable_siglip, siglip_sum
-from clipshard.fused_op import ALGORITHMS as LSE_ALGORITHMS
+from clipshard import contrastive_lse, siglip_sum
+from clipshard.ops import _algorithm, _portable_chunks, portable_lse, portable_siglip
+from clipshard.ops.contrastive_lse import ALGORITHMS as LSE_ALGORITHMS
 from clipshard.reference import (clip_loss_reference, contrastive_lse_reference, siglip_loss_reference,
                                  siglip_sum_reference)
-from clipshard.siglip_op import ALGORITHMS as SIGLIP_ALGORITHMS
+from clipshard.ops.siglip_sum import ALGORITHMS as SIGLIP_ALGORITHMS
 from test_contrastive_lse import BAD_INPUTS
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))

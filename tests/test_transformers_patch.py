@@ -1,9 +1,7 @@
 """apply_to_transformers() in one process: the loss of every covered class against the model's own loss
 and the fp64 reference, logits=False, undo, an uncovered class, refusals, bf16 autocast, gradient
-checkpointing, loss_from_output; and the integrations subpackage's place (the core never imports it,
-no import cycle, `import clipshard` without transformers or open_clip)."""
-import ast
-import pathlib
+checkpointing, loss_from_output; `import clipshard` without transformers or open_clip (the package's
+layering: tests/test_package_layout.py)."""
 import subprocess
 import sys
 
@@ -18,9 +16,6 @@ from clipshard.integrations import transformers_loss, transformers_patch  # noqa
 from clipshard.reference import clip_loss_reference, siglip_loss_reference  # noqa: E402
 from hf_tiny_models import BUILDERS, gradient_errors, tiny_inputs, tiny_model  # noqa: E402
 
-ROOT = pathlib.Path(clipshard.__file__).parent
-CORE = ("clipshard.fused_op", "clipshard.loss", "clipshard.siglip", "clipshard.siglip_op", "clipshard.sharded_loss",
-        "clipshard.distributed", "clipshard.optim", "clipshard.rounding", "clipshard.reference")
 
 
 @pytest.fixture
@@ -201,63 +196,3 @@ except ImportError as e:
     print("refused:" + str(e).split(":")[0])
 """)
     assert out == ["tried:", "refused:clipshard.apply_to_transformers"]
-
-
-def test_the_core_never_imports_the_integrations():
-    """Each core module imports in a fresh interpreter where clipshard's own __init__ (which imports the
-    integrations for the public names) is bypassed and clipshard.integrations cannot be imported."""
-    out = _run(f"""
-import importlib, importlib.abc, sys, types
-import torch
-class Forbid(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.startswith("clipshard.integrations"):
-            raise ImportError("the core imported " + name)
-sys.meta_path.insert(0, Forbid())
-package = types.ModuleType("clipshard")
-package.__path__ = [{str(ROOT)!r}]
-sys.modules["clipshard"] = package
-importlib.import_module("clipshard._C")
-for name in {CORE!r}:
-    importlib.import_module(name)
-print(sorted(n for n in sys.modules if n.startswith("clipshard.integrations")))
-""")
-    assert out == ["[]"]
-
-
-def _imports(path):
-    """The clipshard modules a file imports, at any depth (function-level imports included)."""
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names if a.name.startswith("clipshard"))
-        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("clipshard"):
-            found.add(node.module)
-            found.update(f"{node.module}.{a.name}" for a in node.names)
-    return found
-
-
-def test_no_import_cycle_between_clipshard_modules():
-    modules = {}
-    for path in ROOT.rglob("*.py"):
-        parts = path.relative_to(ROOT.parent).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        modules[name] = path
-    graph = {name: {m for m in _imports(path) if m in modules and m != "clipshard"}
-             for name, path in modules.items() if name != "clipshard"}
-    assert "clipshard.integrations.coca_loss" in graph and "clipshard.integrations.open_clip_patch" in graph
-    state = {}
-
-    def visit(node, trail):
-        if state.get(node) == "done":
-            return
-        assert state.get(node) != "open", "import cycle: " + " -> ".join(trail + [node])
-        state[node] = "open"
-        for nxt in sorted(graph.get(node, ())):
-            visit(nxt, trail + [node])
-        state[node] = "done"
-
-    for name in sorted(graph):
-        visit(name, [])
-    for name in CORE:
-        assert not any(m.startswith("clipshard.integrations") for m in graph[name]), name

@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 
 from clipshard._checks import check_bool, check_generator
 from clipshard._random import draw_seed_offset
-from clipshard.optim_dtensor import check_dtensor_param, index_base, is_dtensor, local, state_in_param_layout, \
+from clipshard.optim.dtensor import check_dtensor_param, index_base, is_dtensor, local, state_in_param_layout, \
     zeros_state_like
 from clipshard.rounding import stochastic_round
 
@@ -228,7 +228,7 @@ def _param_name(group, index, number, p):
 
 def _loaded_state(index, param, saved):
     """A copy of one parameter's saved state, laid out as the parameter (on its device; a DTensor
-    placed like a DTensor parameter, see optim_dtensor.state_in_param_layout), in the form step() uses."""
+    placed like a DTensor parameter, see dtensor.state_in_param_layout), in the form step() uses."""
     where = f"{_NAME}.load_state_dict: the state of parameter {index} (shape {tuple(param.shape)})"
     state = dict(saved)
     if not state:

@@ -7,7 +7,7 @@ SigLIP is a sum of independent per-logit terms, so rank r's loss sum splits over
     sum_{i in r, all j} softplus(-z_ij l_ij) = sum_q siglip_sum(I_r, T_q),
 
 where only the own block (q = r, pos_offset 0) holds positives and every other block is all
-negatives (pos_offset None). A pass: the blocks go around the ring (clipshard/_ring_pass.py, the
+negatives (pos_offset None). A pass: the blocks go around the ring (clipshard/parallel/_ring_pass.py, the
 next one in flight during the current one's op call), each reduced by siglip_forward to its loss
 sum, added in step order (fp64), and, when gradients are wanted, to the gradients of that sum for a
 unit upstream gradient, weighted by w: d I_r and d scale / d bias accumulate here, d T_q in an fp32
@@ -25,9 +25,9 @@ forward is loss-only (one GEMM per chunk). The result is the gathered implementa
 import torch
 import torch.distributed as dist
 
-from clipshard._block_checks import accumulate_dtype
-from clipshard._ring_pass import Ring, Travelling, blocks
-from clipshard.siglip_op import siglip_block
+from clipshard.ops._block_checks import accumulate_dtype
+from clipshard.parallel._ring_pass import Ring, Travelling, blocks
+from clipshard.ops.siglip_sum import siglip_block
 
 
 def _pos_offset(step):

@@ -20,7 +20,7 @@ fuse the per-chunk elementwise work; it has no host synchronisation.
 """
 import torch
 
-from clipshard._portable_chunks import Chunks, GradientGemms, fp16_prescale
+from clipshard.ops._portable_chunks import Chunks, GradientGemms, fp16_prescale
 
 
 def _forward(rows, cols, scale, bias, pos_offset, want_col_lse, budget):

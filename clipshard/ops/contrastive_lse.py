@@ -8,16 +8,16 @@ Three algorithms: "fused" tile kernels that never leave a tile (the CPU default;
 hand-written FMA / mma.sync kernels), "chunked": per chunk of Kc columns a cuBLAS GEMM into a
 bounded fp32 workspace, then one fused elementwise kernel (the CUDA default; docs/fused_loss_cuda.md),
 and "torch": the chunked algorithm in PyTorch operations only, for every device without a compiled
-kernel (clipshard/portable_lse.py, docs/portable.md).
+kernel (clipshard/ops/portable_lse.py, docs/portable.md).
 """
 import torch
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
-from clipshard import _algorithm
-from clipshard._block_checks import accumulate_dtype, check_block_features, check_logit_scalar
+from clipshard.ops import _algorithm
+from clipshard.ops._block_checks import accumulate_dtype, check_block_features, check_logit_scalar
 from clipshard._checks import check_flags
-from clipshard._workspace import workspace_bytes as _workspace_bytes
-from clipshard.portable_lse import contrastive_lse_backward_torch, contrastive_lse_torch
+from clipshard.ops._workspace import workspace_bytes as _workspace_bytes
+from clipshard.ops.portable_lse import contrastive_lse_backward_torch, contrastive_lse_torch
 
 ALGORITHMS = ("auto", "fused", "chunked", "torch")
 

@@ -7,7 +7,7 @@ t = -z * l (the chunk's positives negated in place on its diagonal)
     loss += sum softplus(t),    dl = d loss / d l = -z * sigmoid(t)  (sigmoid in place, diagonal negated back),
 
 then, when a gradient will be needed, d scale += sum(dl * dots), d bias += sum(dl), and the two
-gradient GEMMs of dl (times s, applied to their M x D and Kc x D results). Like the compiled op (clipshard/siglip_op.py), the gradients of the sum
+gradient GEMMs of dl (times s, applied to their M x D and Kc x D results). Like the compiled op (clipshard/ops/siglip_sum.py), the gradients of the sum
 are computed in the forward pass and only scaled by the upstream gradient in the backward: three
 GEMMs per chunk instead of the four a recomputing backward needs. What it costs is memory held from
 the forward to the backward: the gradients (M + K) x D, the size of the features themselves, which a
@@ -18,7 +18,7 @@ GEMMs take 16-bit factors; without a gradient the logits overwrite the dots (two
 """
 import torch
 
-from clipshard._portable_chunks import Chunks, GradientGemms, fp16_prescale, rows_per_block
+from clipshard.ops._portable_chunks import Chunks, GradientGemms, fp16_prescale, rows_per_block
 
 
 def _forward(rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype):
@@ -100,5 +100,5 @@ def siglip_block_torch(rows, cols, scale, bias, pos_offset, with_grad, budget, s
 
 def siglip_sum_torch(rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype):
     """siglip_sum's value by the torch path; the arguments were checked by the caller. saved_dtype:
-    the dtype the feature gradients of the sum are kept in until the backward (siglip_op's rule)."""
+    the dtype the feature gradients of the sum are kept in until the backward (siglip_sum's rule)."""
     return _SiglipSum.apply(rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype)

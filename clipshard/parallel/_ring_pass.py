@@ -1,5 +1,5 @@
-"""One pass around the ring of ranks, shared by the ring modes of ClipLoss (clipshard/ring.py) and
-SigLipLoss (clipshard/siglip_ring.py); docs/distributed.md, "Ring mode".
+"""One pass around the ring of ranks, shared by the ring modes of ClipLoss (clipshard/parallel/ring.py) and
+SigLipLoss (clipshard/parallel/siglip_ring.py); docs/distributed.md, "Ring mode".
 
 Rank r of N keeps its image rows. At step k = 0 .. N-1 it holds the text block of rank
 q = (r - k) mod N: `blocks` hands it out with the next block already in flight from rank r - 1
@@ -51,7 +51,7 @@ def blocks(ring, text, companion=None):
     """Yields (step, block, companion) for step = 0 .. N-1: this rank's text block at step 0, then
     the blocks of ranks r - 1, r - 2, ... The next block is in flight while the caller works on the
     current one. `companion` (optional, last dimension K_q): what travels with the block, e.g. its
-    full column LSE (clipshard/ring.py's backward)."""
+    full column LSE (clipshard/parallel/ring.py's backward)."""
     n = ring.layout.world_size
     block = text.contiguous()
     for step in range(n):

@@ -4,14 +4,14 @@ line that depends on the device type: the same code runs on the CPU, CUDA, ROCm,
 `meta` device (shapes only).
 
 The chunk machinery is that of csrc/chunked/chunk_driver.h: the K columns go through in chunks of
-Kc (clipshard._workspace.chunk_columns), one M x Kc block of similarities at a time, never an M x K
+Kc (clipshard.ops._workspace.chunk_columns), one M x Kc block of similarities at a time, never an M x K
 matrix; the gradient pass turns each chunk's logit gradients into grad_rows (an M x D accumulator)
 and its rows of grad_cols with two GEMMs.
 """
 import torch
 
-from clipshard._block_checks import accumulate_dtype
-from clipshard._workspace import COLUMN_QUANTUM, chunk_columns
+from clipshard.ops._block_checks import accumulate_dtype
+from clipshard.ops._workspace import COLUMN_QUANTUM, chunk_columns
 
 # (device type, dtype) -> whether torch.mm takes out_dtype=fp32 for 16-bit factors there.
 _FP32_OUTPUT_GEMM = {}

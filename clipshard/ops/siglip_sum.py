@@ -11,15 +11,15 @@ needed (three GEMMs per column chunk instead of the four a recomputing backward 
 autograd backward only multiplies them by the upstream gradient.
 
 Algorithms: "chunked" (the compiled op above, CPU and CUDA) and "torch" (the same algorithm in
-PyTorch operations only, for every device without a compiled kernel: clipshard/portable_siglip.py,
-docs/portable.md); "auto" picks as clipshard._algorithm says.
+PyTorch operations only, for every device without a compiled kernel: clipshard/ops/portable_siglip.py,
+docs/portable.md); "auto" picks as clipshard.ops._algorithm says.
 """
 import torch
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
-from clipshard import _algorithm, _workspace
-from clipshard._block_checks import accumulate_dtype, check_block_features, check_logit_scalar
-from clipshard.portable_siglip import siglip_block_torch, siglip_sum_torch
+from clipshard.ops import _algorithm, _workspace
+from clipshard.ops._block_checks import accumulate_dtype, check_block_features, check_logit_scalar
+from clipshard.ops.portable_siglip import siglip_block_torch, siglip_sum_torch
 
 ALGORITHMS = ("auto", "chunked", "torch")
 
@@ -87,7 +87,7 @@ def siglip_sum(rows, cols, scale, bias=None, pos_offset=0, *, algorithm="auto", 
             extension has its CUDA kernels; "torch" on every other device, with a warning the first
             time; CLIPSHARD_ALGORITHM=torch makes "auto" pick "torch" everywhere), "chunked" or
             "torch" (the same algorithm in PyTorch operations, on any device; docs/portable.md).
-        workspace_bytes: budget of the chunk workspace (default: clipshard._workspace's per device).
+        workspace_bytes: budget of the chunk workspace (default: clipshard.ops._workspace's per device).
 
     Returns:
         0-dim fp32 tensor (fp64 for fp64 inputs): sum_ij softplus(-z_ij * l_ij). Differentiable with
@@ -108,7 +108,7 @@ def siglip_sum(rows, cols, scale, bias=None, pos_offset=0, *, algorithm="auto", 
 
 def siglip_block(rows, cols, scale, bias, pos_offset, with_grad, *, algorithm="auto", workspace_bytes=None):
     """siglip_forward's outputs without autograd, for a caller that weighs the gradients itself (the
-    SigLIP ring, clipshard/siglip_ring.py): (loss_sum, grad_rows, grad_cols, grad_scale, grad_bias),
+    SigLIP ring, clipshard/parallel/siglip_ring.py): (loss_sum, grad_rows, grad_cols, grad_scale, grad_bias),
     the gradients of the sum for a unit upstream gradient in siglip_forward's dtypes (unused ones
     empty or None). Arguments as siglip_sum's, scale and bias already 0-dim tensors, checked by the
     caller; pos_offset None for a block without positives."""

@@ -12,15 +12,15 @@ so that open_clip's per-rank loss (local_loss=True) is P_r / (2M) and its full-b
   columns come from combining every rank's partial column LSE (NM floats).
 - local: two fused passes, I_r vs T and T_r vs I (both gathered), row LSEs only.
 - ring: exchange's maths with the text blocks passed around the ring instead of gathered
-  (clipshard/ring.py).
+  (clipshard/parallel/ring.py).
 """
 import functools
 
 import torch
 
-from clipshard import distributed as cdist
-from clipshard.fused_op import contrastive_lse
-from clipshard.ring import ring_partial
+from clipshard.parallel import collectives as cdist
+from clipshard.ops.contrastive_lse import contrastive_lse
+from clipshard.parallel.ring import ring_partial
 
 
 def exchange_partial(image, text, scale, bias, layout, algorithm="auto"):

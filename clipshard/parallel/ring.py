@@ -21,13 +21,13 @@ gradient of I_r accumulates locally; that of T_q accumulates in a buffer that tr
 
 Each rank's per-block work and its logit_scale / logit_bias gradient are those of exchange mode
 (the same row block, cut into N column blocks), so ring mode gives exchange mode's results. The
-point-to-point pass (blocks in flight, travelling accumulators) is clipshard/_ring_pass.py, shared
+point-to-point pass (blocks in flight, travelling accumulators) is clipshard/parallel/_ring_pass.py, shared
 with SigLIP's ring mode.
 """
 import torch
 
-from clipshard._ring_pass import Ring, Travelling, blocks
-from clipshard.fused_op import contrastive_lse, contrastive_lse_backward
+from clipshard.parallel._ring_pass import Ring, Travelling, blocks
+from clipshard.ops.contrastive_lse import contrastive_lse, contrastive_lse_backward
 
 
 def _transposed(image, block, own):
@@ -107,7 +107,7 @@ class _RingLSE(torch.autograd.Function):
 
 
 def ring_partial(image, text, scale, bias, layout, algorithm="auto"):
-    """This rank's partial P_r (sharded_loss's notation) in ring mode: exchange_partial's value and
+    """This rank's partial P_r (exchange.py's notation) in ring mode: exchange_partial's value and
     gradients, without gathering the text features."""
     row_lse, pos, col_lse = _RingLSE.apply(image, text, scale, bias, layout, algorithm)
     # S_jj of this rank's column j = offset + i is the positive logit of local row i.
