@@ -50,6 +50,14 @@ def _config_code(local_loss, gather_with_grad, mode):
     return int(local_loss) | int(gather_with_grad) << 1 | _MODES.index(mode) << 2
 
 
+def _mixes_ranks_scales(local_loss, mode):
+    """Whether a rank's loss combines terms computed by other ranks with their own logit_scale and
+    logit_bias (the column LSEs of exchange and ring, the sum of local_loss=False), so that the ranks
+    must agree on them. open_clip scales each rank's loss by that rank's own values, which only
+    mode="local" with local_loss=True reproduces (it computes both of its LSEs itself)."""
+    return mode != "local" or not local_loss
+
+
 def _as_scalar_tensor(value, like):
     """Python numbers become 0-dim tensors on the features' device; one-element tensors become 0-dim."""
     if isinstance(value, (int, float)) and not isinstance(value, bool) and torch.is_tensor(like):
@@ -65,7 +73,7 @@ def _sharded_clip_loss(fn, image, text, scale, bias, *, local_loss, gather_with_
     scale, bias = _as_scalar_tensor(scale, image), _as_scalar_tensor(bias, image)
     layout = cdist.shard_layout(
         fn, image, text, scale, bias, group, config=_config_code(local_loss, gather_with_grad, mode),
-        rank_arg=rank_arg, world_size_arg=world_size_arg,
+        rank_arg=rank_arg, world_size_arg=world_size_arg, same_scale_and_bias=_mixes_ranks_scales(local_loss, mode),
     )
     if layout.world_size == 1:  # a group of one: every option gives the single-device loss
         return _single_device_loss(image, text, scale, bias, fn, algorithm)

@@ -68,9 +68,10 @@ def _open_clip_losses(loss_module):
 def apply_to_open_clip():
     """Makes open_clip build clipshard's losses: afterwards `open_clip.create_loss(args)`, and so
     open_clip_train, returns clipshard.ClipLoss for the CLIP loss and clipshard's CoCaLoss (fused
-    contrastive term, open_clip's caption term) for CoCa models; `open_clip.ClipLoss` and
-    `open_clip.loss.ClipLoss` name clipshard's classes too. open_clip's other losses (DistillClipLoss,
-    SigLipLoss) stay as they are and are listed in the result's `kept`.
+    contrastive term, open_clip's caption term) for CoCa models and clipshard.SigLipLoss for SigLIP
+    models; `open_clip.ClipLoss`, `open_clip.loss.ClipLoss` (and the same for CoCaLoss and
+    SigLipLoss) name clipshard's classes too. open_clip's other losses (DistillClipLoss, ...) stay as
+    they are and are listed in the result's `kept`.
 
     Returns an OpenClipPatch (`.replaced`, `.kept`, `.summary()`, `.undo()`) and logs its summary to
     the "clipshard" logger. Calling it again while applied returns the same patch. Names bound before

@@ -100,7 +100,17 @@ def logit_scale_and_bias(model, entry, device):
 
 
 def unwrap(model):
-    """The model inside DistributedDataParallel (what Trainer and accelerate wrap it in)."""
-    while isinstance(model, torch.nn.parallel.DistributedDataParallel):
-        model = model.module
-    return model
+    """The model inside DistributedDataParallel (what Trainer and accelerate wrap it in) and inside
+    torch.compile's OptimizedModule (whose module torch._dynamo, imported by then, defines)."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif _is_compiled(model):
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _is_compiled(model):
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)

@@ -57,6 +57,11 @@ def _with_global_loss(original, entry, logits):
     return forward
 
 
+def _runs_patched_forward(cls):
+    """Whether `cls.forward` is a forward this module installed (not a subclass's override)."""
+    return getattr(cls.forward, "clipshard_patched", False)
+
+
 def _keywords(arguments):
     """The forward's bound arguments as keyword arguments (its **kwargs spread out), without self
     and return_loss."""
@@ -78,15 +83,22 @@ class TransformersPatch:
     active: bool = True
 
     def covers(self, model):
-        """Whether `model` (or its class) computes clipshard's loss while this patch is active."""
-        entry = models.covered_entry(models.unwrap(model) if not isinstance(model, type) else model)
-        return self.active and entry is not None
+        """Whether `model` (or its class) computes clipshard's loss while this patch is active: a
+        covered class, or a subclass whose `forward` is still the patched one."""
+        cls = model if isinstance(model, type) else type(models.unwrap(model))
+        return self.active and models.covered_entry(cls) is not None and _runs_patched_forward(cls)
 
     def report(self, model):
         """One line saying what `model`'s return_loss=True computes."""
         cls = model if isinstance(model, type) else type(models.unwrap(model))
-        if self.covers(model):
-            return f"{cls.__name__}: clipshard's global-batch loss ({models.covered_entry(cls).family} family)"
+        entry = models.covered_entry(cls)
+        if self.covers(cls):
+            return f"{cls.__name__}: clipshard's global-batch loss ({entry.family} family)"
+        if entry is not None and self.active:
+            owner = next(c for c in cls.__mro__ if "forward" in c.__dict__)
+            return (f"{cls.__name__}: left alone, its own {owner.__qualname__}.forward overrides {entry.name}'s and "
+                    f"computes its own loss (clipshard's runs only if it calls {entry.name}.forward with "
+                    "return_loss=True)")
         return f"{cls.__name__}: left alone, it computes its own loss"
 
     def undo(self):

@@ -291,7 +291,8 @@ def to_half_precision_(targets, dtype: torch.dtype = torch.bfloat16, *, buffers:
     Parameter, or an iterable mixing both, e.g. `[model.transformer, model.positional_embedding]`.
     Parameters stay the same Parameter objects (their .data is replaced): build the optimizer
     afterwards. Tensors already in `dtype` are left as they are (so a Parameter listed twice is
-    converted once); other dtypes are refused before anything is converted. Returns `targets`.
+    converted once); other dtypes, and DTensors (call it before FSDP2's fully_shard), are refused
+    before anything is converted. Returns `targets`.
 
     For open_clip's CLIP / CustomTextCLIP, clipshard.text_tower_to_half_precision_ converts exactly
     the text tower and keeps the features it hands to the loss in the rest of the model's dtype."""
@@ -300,6 +301,10 @@ def to_half_precision_(targets, dtype: torch.dtype = torch.bfloat16, *, buffers:
         raise ValueError(f"{fn}: dtype must be torch.float16 or torch.bfloat16, got {dtype}")
     named = _named_tensors(fn, targets, buffers)
     for kind, name, t in named:
+        if is_dtensor(t):  # the op rounds whole tensors: a shard would draw the bits of other elements
+            raise ValueError(f"{fn}: {kind} {name!r} is a DTensor (FSDP2's fully_shard, or another DTensor "
+                             "API, has sharded it); convert before sharding: to_half_precision_(model), then "
+                             "fully_shard(model) (docs/optimizer.md, FSDP2). Nothing was converted")
         if t.dtype not in (torch.float32, dtype):
             raise TypeError(f"{fn}: {kind} {name!r} is {t.dtype}; only float32 tensors are converted")
     for _, _, t in named:

@@ -15,6 +15,7 @@ The process group's backend decides the transport (NCCL/RCCL for CUDA and ROCm t
 CPU tensors, XCCL for XPU, ...); nothing here depends on the device type. Features travel in their
 own dtype; log-sum-exps travel in fp32.
 """
+import math
 import zlib
 from dataclasses import dataclass
 
@@ -179,14 +180,17 @@ _META_FIELDS = ("problem", "batch", "dim", "dtype", "device", "has_bias", "requi
                 "config", "rank_arg", "world_size_arg", "scale_dtype", "bias_dtype")
 
 
-def shard_layout(fn, image, text, scale, bias, group, *, config=0, rank_arg=None, world_size_arg=None):
+def shard_layout(fn, image, text, scale, bias, group, *, config=0, rank_arg=None, world_size_arg=None,
+                 same_scale_and_bias=False):
     """Validate the inputs of all ranks and return the ShardLayout.
 
     With a process group, every rank contributes one small int64 row of metadata (one all-gather)
     and every rank checks all rows with the same code, so an inconsistency raises the same error on
     every rank. `config` encodes the loss options, which must agree too (different options would run
     different collectives and hang). rank_arg / world_size_arg are open_clip's constructor
-    arguments, checked against the group when given.
+    arguments, checked against the group when given. The row ends with the values of logit_scale
+    and logit_bias (their fp64 bits); same_scale_and_bias=True requires every rank to hold the same
+    values (a loss whose ranks combine terms computed with their own scales; docs/distributed.md).
     """
     code, message = _local_problem(image, text, scale, bias)
     if group is None:
@@ -213,12 +217,37 @@ def shard_layout(fn, image, text, scale, bias, group, *, config=0, rank_arg=None
             -1 if bias is None else _DTYPE_CODES[bias.dtype],
         ]
     device = _metadata_device(group)
-    mine = torch.tensor(row, dtype=torch.int64, device=device)
-    everyone = torch.empty(world_size * len(row), dtype=torch.int64, device=device)
+    values = _scalar_values(scale, bias, valid=not code).to(device)
+    mine = torch.cat([torch.tensor(row, dtype=torch.int64, device=device), values.view(torch.int64)])
+    everyone = torch.empty(world_size * mine.numel(), dtype=torch.int64, device=device)
     _all_gather_single(everyone, mine, group=group)
-    table = everyone.view(world_size, len(row)).tolist()
+    everyone = everyone.view(world_size, -1)
+    table = everyone[:, : len(row)].tolist()
     _check_table(fn, table, rank, world_size, message)
+    if same_scale_and_bias:
+        _check_same_values(fn, everyone[:, len(row):].contiguous().view(torch.float64).tolist(), bias is not None)
     return ShardLayout(sizes=tuple(r[1] for r in table), rank=rank, group=group)
+
+
+def _scalar_values(scale, bias, valid):
+    """(logit_scale, logit_bias or 0) as two fp64 numbers (zeros when the inputs are invalid)."""
+    if not valid:
+        return torch.zeros(2, dtype=torch.float64)
+    bias = torch.zeros_like(scale) if bias is None else bias
+    return torch.stack([t.detach().reshape(()).double() for t in (scale, bias)])
+
+
+def _check_same_values(fn, values, has_bias):
+    """Raise on every rank if the ranks' logit_scale (or logit_bias) values differ (NaN equals NaN)."""
+    for k, name in enumerate(("logit_scale", "logit_bias")[: 1 + has_bias]):
+        column = [row[k] for row in values]
+        if any(v != column[0] and not (math.isnan(v) and math.isnan(column[0])) for v in column):
+            per_rank = ", ".join(f"rank {q}: {v!r}" for q, v in enumerate(column))
+            raise ValueError(
+                f"{fn}: all ranks must use the same {name} here, got {per_rank}: with mode 'exchange' or "
+                "'ring', or local_loss=False, a rank's loss combines terms that the other ranks computed "
+                f"with their own {name} (mode='local' with local_loss=True uses each rank's own value, "
+                "as open_clip does; docs/distributed.md)")
 
 
 def _check_table(fn, table, rank, world_size, own_message):
@@ -357,6 +386,19 @@ def combine_column_lse(partial, layout):
     if layout.world_size == 1:
         return partial
     return _CombineColumnLSE.apply(partial, layout.group)
+
+
+def same_on_every_rank(values, layout):
+    """Whether every rank holds the same `values` (a small tensor): one all-reduce MAX of
+    (values, -values, NaN flags). A NaN is a difference: a MAX reduction drops NaN (every
+    comparison with it is false), so without the flags NaN on one rank would pass for agreement."""
+    values = values.detach().double().reshape(-1)
+    nan = torch.isnan(values)
+    finite_or_inf = torch.where(nan, torch.zeros_like(values), values)
+    packed = torch.cat([finite_or_inf, -finite_or_inf, nan.double()])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=layout.group)
+    high, negated_low, any_nan = packed.split(values.numel())
+    return bool((high == -negated_low).all()) and not bool(any_nan.any())
 
 
 def all_reduce_sum(x, layout):

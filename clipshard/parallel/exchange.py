@@ -57,56 +57,79 @@ def rank_loss(image, text, scale, bias, layout, mode, gather_with_grad, algorith
 
 
 def global_loss(image, text, scale, bias, layout, mode, gather_with_grad, algorithm="auto"):
-    """open_clip's local_loss=False loss, sum_r P_r / (2NM), the same value on every rank."""
-    partial_fn = functools.partial(_PARTIALS[mode], algorithm=algorithm)
-    return _GlobalLoss.apply(partial_fn, layout, gather_with_grad, image, text, scale, bias)
-
-
-class _GlobalLoss(torch.autograd.Function):
-    """Full-batch loss L with open_clip's gradients for local_loss=False.
+    """open_clip's local_loss=False loss, sum_r P_r / (2NM), the same value on every rank.
 
     open_clip computes the whole NM x NM loss on every rank, so rank r's gradients are
         features:  G * dL/d(I_r, T_r) with G = sum_q g_q   (gather_with_grad=True)
                    g_r * dL/d(I_r, T_r)                    (gather_with_grad=False: the 1/N scale
                                                             after DDP's averaging, kept on purpose)
         logit_scale, logit_bias:  g_r * dL/ds, g_r * dL/db.
-    Here each rank computes only P_r. The backward first takes the *unit* gradient of L (every rank
-    weighs its P_r by 1/(2NM); the gathers' reduce-scatter and the column-LSE all-reduce complete
-    dL/d(own features)), all-reduces [g_r, dP_r/ds, dP_r/db] (three numbers) to get G, dL/ds and
-    dL/db, then scales. The graph of P_r is built in forward and differentiated in backward.
+    Here each rank computes only P_r, in the ordinary autograd graph between two Functions: the
+    backward of _SumOfPartials hands P_r the *unit* gradient 1/(2NM) (the gathers' reduce-scatter
+    and the column-LSE all-reduce complete dL/d(own features)) and records g_r (and G); the backward
+    of _OpenClipWeights, which autograd runs after it, scales the features' unit gradients by G (or
+    g_r) and all-reduces dP_r/ds, dP_r/db into dL/ds, dL/db times g_r. No graph is kept outside
+    autograd's, so retain_graph and a second backward behave as autograd's own.
     """
+    upstream = _Upstream()
+    image, text, scale, bias = _OpenClipWeights.apply(upstream, layout, gather_with_grad, image, text, scale, bias)
+    partial = _PARTIALS[mode](image, text, scale, bias, layout, algorithm=algorithm)
+    return _SumOfPartials.apply(partial, upstream, layout, gather_with_grad)
+
+
+class _Upstream:
+    """What _SumOfPartials.backward learns for _OpenClipWeights.backward: this rank's upstream
+    gradient g_r and the weight of the feature gradients (G or g_r), fp64 0-dim tensors."""
+    own = None
+    feature_weight = None
+
+
+class _SumOfPartials(torch.autograd.Function):
+    """L = sum_r P_r / (2NM) (one all-reduce); backward: the unit gradient to P_r, g_r (and G) to
+    the _Upstream shared with _OpenClipWeights."""
 
     @staticmethod
-    def forward(ctx, partial_fn, layout, gather_with_grad, image, text, scale, bias):
-        leaves = [None if t is None else t.detach().requires_grad_(t.requires_grad)
-                  for t in (image, text, scale, bias)]
-        with torch.enable_grad():
-            partial = partial_fn(*leaves, layout)
-        ctx.graph = (partial, leaves)
-        ctx.layout, ctx.gather_with_grad = layout, gather_with_grad
-        return cdist.all_reduce_sum(partial, layout) / (2 * layout.total)
+    def forward(ctx, partial, upstream, layout, gather_with_grad):
+        ctx.upstream, ctx.layout, ctx.gather_with_grad = upstream, layout, gather_with_grad
+        # Nothing here needs it, but a freed saved tensor makes a second backward without
+        # retain_graph raise torch's own error here, on every rank, before any collective.
+        ctx.save_for_backward(partial)
+        return cdist.all_reduce_sum(partial, ctx.layout) / (2 * layout.total)
 
     @staticmethod
     def backward(ctx, grad):
-        partial, leaves = ctx.graph
-        ctx.graph = None
-        layout = ctx.layout
-        wanted = [k for k, t in enumerate(leaves) if t is not None and t.requires_grad]
-        unit = torch.autograd.grad(partial, [leaves[k] for k in wanted],
-                                   partial.new_tensor(1.0 / (2 * layout.total)))
-        unit = dict(zip(wanted, unit))
-        zero = grad.new_zeros((), dtype=torch.float64)
-        sums = cdist.all_reduce_sum(torch.stack([
-            grad.double(), unit[2].double().reshape(()) if 2 in unit else zero,
-            unit[3].double().reshape(()) if 3 in unit else zero]), layout)
-        feature_weight = sums[0] if ctx.gather_with_grad else grad.double()
+        partial, = ctx.saved_tensors
+        own = grad.detach().double()
+        ctx.upstream.own = own
+        ctx.upstream.feature_weight = cdist.all_reduce_sum(own, ctx.layout) if ctx.gather_with_grad else own
+        return partial.new_tensor(1.0 / (2 * ctx.layout.total)), None, None, None
+
+
+class _OpenClipWeights(torch.autograd.Function):
+    """The identity on (image, text, scale, bias); backward: open_clip's weights (global_loss) on the
+    unit gradients that reach them."""
+
+    @staticmethod
+    def forward(ctx, upstream, layout, gather_with_grad, image, text, scale, bias):
+        ctx.upstream, ctx.layout = upstream, layout
+        return tuple(None if t is None else t.view_as(t) for t in (image, text, scale, bias))
+
+    @staticmethod
+    def backward(ctx, g_image, g_text, g_scale, g_bias):
+        upstream = ctx.upstream
         out = [None, None, None]
-        for k, leaf in enumerate(leaves):
-            if k not in unit:
+        for g in (g_image, g_text):
+            if g is None:
                 out.append(None)
-            elif k < 2:
-                acc = torch.promote_types(leaf.dtype, torch.float32)
-                out.append((unit[k].to(acc) * feature_weight.to(acc)).to(leaf.dtype))
             else:
-                out.append((grad.double() * sums[k - 1]).to(leaf.dtype).reshape(leaf.shape))
+                acc = torch.promote_types(g.dtype, torch.float32)
+                out.append((g.to(acc) * upstream.feature_weight.to(acc)).to(g.dtype))
+        if ctx.needs_input_grad[5] or ctx.needs_input_grad[6]:  # the same on every rank (shard_layout)
+            zero = upstream.own.new_zeros(())
+            units = torch.stack([zero if g is None else g.double().reshape(()) for g in (g_scale, g_bias)])
+            sums = cdist.all_reduce_sum(units, ctx.layout)
+            for k, g in enumerate((g_scale, g_bias)):
+                out.append(None if g is None else (upstream.own * sums[k]).to(g.dtype).reshape(g.shape))
+        else:
+            out += [None, None]
         return tuple(out)

@@ -16,16 +16,16 @@ to q after N hops.
 
 The text gradient mixes every rank's weight w_r = g_r / M_r (g_r: rank r's upstream gradient,
 known only in the backward). The forward makes its pass with w_r = 1 / M_r, three GEMMs per chunk
-as the gathered mode; the backward checks with one all-reduce of two numbers whether every rank's
-g is the same (DDP's loss.backward(), one AMP or accumulation factor) and then only scales those
-gradients by g. Otherwise it makes a second pass with w_r = g_r / M_r. Without gradients the
+as the gathered mode; the backward checks with one all-reduce of three numbers whether every rank's
+g is the same (DDP's loss.backward(), one AMP or accumulation factor; a NaN on any rank counts as a
+difference, so that it reaches every gradient it touches) and then only scales those gradients by g. Otherwise it makes a second pass with w_r = g_r / M_r. Without gradients the
 forward is loss-only (one GEMM per chunk). The result is the gathered implementation's
 (clipshard/siglip.py), which is open_clip's.
 """
 import torch
-import torch.distributed as dist
 
 from clipshard.ops._block_checks import accumulate_dtype
+from clipshard.parallel.collectives import same_on_every_rank
 from clipshard.parallel._ring_pass import Ring, Travelling, blocks
 from clipshard.ops.siglip_sum import siglip_block
 
@@ -67,13 +67,6 @@ def _ring_pass(image, text, scale, bias, layout, algorithm, weight=None):
     return total, (d_image, d_text.result(), d_scale * weight64, d_bias * weight64)
 
 
-def _same_on_every_rank(value, layout):
-    """Whether the 0-dim `value` is the same on every rank (one all-reduce of two numbers)."""
-    pair = torch.stack([value, -value]).double()
-    dist.all_reduce(pair, op=dist.ReduceOp.MAX, group=layout.group)
-    return bool(pair[0] == -pair[1])
-
-
 class _SigLipRingMean(torch.autograd.Function):
     """This rank's SigLIP loss (sum over its images against every rank's texts, divided by M_r)."""
 
@@ -92,7 +85,7 @@ class _SigLipRingMean(torch.autograd.Function):
         image, text, scale, bias = ctx.saved_tensors
         layout, unit = ctx.layout, ctx.unit_grads
         ctx.unit_grads = None
-        if unit is not None and _same_on_every_rank(grad, layout):
+        if unit is not None and same_on_every_rank(grad, layout):
             # every rank weighs its loss alike: the forward's travelling text gradients are right
             factor, grads = grad, unit
         else:  # a second pass, with this rank's own weight on every block of its row
