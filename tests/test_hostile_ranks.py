@@ -99,8 +99,9 @@ def _different_scales(rank):
 def _second_backward(rank):
     """Item 4: ClipLoss(local_loss=False) in exchange and ring mode, backward(retain_graph=True) then
     backward(): the gradients add up, as autograd does (before: TypeError on every rank); without
-    retain_graph the second backward raises torch's own error on every rank. SigLipLoss ring (whose
-    backward drops the forward's gradients) adds up too."""
+    retain_graph the second backward raises torch's own error on every rank. Wider search: ClipLoss
+    ring with local_loss=True and SigLipLoss ring (whose backward drops the gradients its forward
+    kept, so the second backward makes a second pass) add up too."""
     image, text = _rank_batch(rank, seed=3)
     scale, bias = torch.tensor(14.0), torch.tensor(-0.5)
     upstream = 0.5 / sum(SIZES) * (1.0 + rank)
@@ -108,6 +109,7 @@ def _second_backward(rank):
                                  mode=mode)
               for mode in ("exchange", "ring", "local") for gather_with_grad in (True, False)
               if gather_with_grad or mode == "local"]
+    losses.append(clipshard.ClipLoss(local_loss=True, gather_with_grad=True, rank=rank, world_size=2, mode="ring"))
     losses.append(clipshard.SigLipLoss(rank=rank, world_size=2, mode="ring"))
     for loss_fn in losses:
         once = _grads_after(loss_fn, image, text, scale, bias, upstream)
@@ -118,7 +120,7 @@ def _second_backward(rank):
         for name, single, leaf in zip(("image", "text", "scale", "bias"), once, leaves):
             torch.testing.assert_close(leaf.grad, 2 * single, rtol=1e-6, atol=0,
                                        msg=lambda m: f"{loss_fn} d {name}: {m}")
-        if isinstance(loss_fn, clipshard.ClipLoss):
+        if isinstance(loss_fn, clipshard.ClipLoss) and not loss_fn.local_loss:
             loss = loss_fn(*leaves) * upstream
             loss.backward()
             with pytest.raises(RuntimeError, match="backward through the graph a second time"):

@@ -18,8 +18,9 @@ The text gradient mixes every rank's weight w_r = g_r / M_r (g_r: rank r's upstr
 known only in the backward). The forward makes its pass with w_r = 1 / M_r, three GEMMs per chunk
 as the gathered mode; the backward checks with one all-reduce of three numbers whether every rank's
 g is the same (DDP's loss.backward(), one AMP or accumulation factor; a NaN on any rank counts as a
-difference, so that it reaches every gradient it touches) and then only scales those gradients by g. Otherwise it makes a second pass with w_r = g_r / M_r. Without gradients the
-forward is loss-only (one GEMM per chunk). The result is the gathered implementation's
+difference, so that it reaches every gradient it touches) and then only scales those gradients by
+g. Otherwise it makes a second pass with w_r = g_r / M_r. Without gradients the forward is
+loss-only (one GEMM per chunk). The result is the gathered implementation's
 (clipshard/siglip.py), which is open_clip's.
 """
 import torch
