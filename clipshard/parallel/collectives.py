@@ -217,24 +217,18 @@ def shard_layout(fn, image, text, scale, bias, group, *, config=0, rank_arg=None
             -1 if bias is None else _DTYPE_CODES[bias.dtype],
         ]
     device = _metadata_device(group)
-    values = _scalar_values(scale, bias, valid=not code).to(device)
-    mine = torch.cat([torch.tensor(row, dtype=torch.int64, device=device), values.view(torch.int64)])
+    mine = torch.tensor(row + [0, 0], dtype=torch.int64, device=device)
+    if not code:  # the values of logit_scale and logit_bias (if given): the bits of two fp64 numbers
+        values = torch.stack([t.detach().reshape(()) for t in (scale, bias) if t is not None])
+        mine[len(row): len(row) + len(values)].view(torch.float64).copy_(values)
     everyone = torch.empty(world_size * mine.numel(), dtype=torch.int64, device=device)
     _all_gather_single(everyone, mine, group=group)
-    everyone = everyone.view(world_size, -1)
+    everyone = everyone.view(world_size, -1).cpu()  # one copy to the host
     table = everyone[:, : len(row)].tolist()
     _check_table(fn, table, rank, world_size, message)
     if same_scale_and_bias:
         _check_same_values(fn, everyone[:, len(row):].contiguous().view(torch.float64).tolist(), bias is not None)
     return ShardLayout(sizes=tuple(r[1] for r in table), rank=rank, group=group)
-
-
-def _scalar_values(scale, bias, valid):
-    """(logit_scale, logit_bias or 0) as two fp64 numbers (zeros when the inputs are invalid)."""
-    if not valid:
-        return torch.zeros(2, dtype=torch.float64)
-    bias = torch.zeros_like(scale) if bias is None else bias
-    return torch.stack([t.detach().reshape(()).double() for t in (scale, bias)])
 
 
 def _check_same_values(fn, values, has_bias):
