@@ -14,8 +14,6 @@ so that open_clip's per-rank loss (local_loss=True) is P_r / (2M) and its full-b
 - ring: exchange's maths with the text blocks passed around the ring instead of gathered
   (clipshard/parallel/ring.py).
 """
-import functools
-
 import torch
 
 from clipshard.parallel import collectives as cdist
@@ -72,7 +70,7 @@ def global_loss(image, text, scale, bias, layout, mode, gather_with_grad, algori
     autograd's, so retain_graph and a second backward behave as autograd's own.
     """
     upstream = _Upstream()
-    image, text, scale, bias = _OpenClipWeights.apply(upstream, layout, gather_with_grad, image, text, scale, bias)
+    image, text, scale, bias = _OpenClipWeights.apply(upstream, layout, image, text, scale, bias)
     partial = _PARTIALS[mode](image, text, scale, bias, layout, algorithm=algorithm)
     return _SumOfPartials.apply(partial, upstream, layout, gather_with_grad)
 
@@ -110,21 +108,21 @@ class _OpenClipWeights(torch.autograd.Function):
     unit gradients that reach them."""
 
     @staticmethod
-    def forward(ctx, upstream, layout, gather_with_grad, image, text, scale, bias):
+    def forward(ctx, upstream, layout, image, text, scale, bias):
         ctx.upstream, ctx.layout = upstream, layout
         return tuple(None if t is None else t.view_as(t) for t in (image, text, scale, bias))
 
     @staticmethod
     def backward(ctx, g_image, g_text, g_scale, g_bias):
         upstream = ctx.upstream
-        out = [None, None, None]
+        out = [None, None]
         for g in (g_image, g_text):
             if g is None:
                 out.append(None)
             else:
                 acc = torch.promote_types(g.dtype, torch.float32)
                 out.append((g.to(acc) * upstream.feature_weight.to(acc)).to(g.dtype))
-        if ctx.needs_input_grad[5] or ctx.needs_input_grad[6]:  # the same on every rank (shard_layout)
+        if ctx.needs_input_grad[4] or ctx.needs_input_grad[5]:  # the same on every rank (shard_layout)
             zero = upstream.own.new_zeros(())
             units = torch.stack([zero if g is None else g.double().reshape(()) for g in (g_scale, g_bias)])
             sums = cdist.all_reduce_sum(units, ctx.layout)
