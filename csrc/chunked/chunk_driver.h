@@ -14,10 +14,10 @@
 
 #include <ATen/ATen.h>
 
+#include "../env_vars.h"
+
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -29,11 +29,11 @@ namespace clipshard::chunked {
 // out = the accumulator, on this device type: newer torch relaxed that dtype check (pytorch#167931),
 // older torch refuses it, and the CPU has no such kernel at all. Decided by asking torch, not by its
 // version number: the first call per (device type, dtype) tries it on 1 x 1 tensors of the device
-// (no host synchronisation) and caches the answer. CLIPSHARD_ADDMM_FP32_ACCUMULATOR=0 forces
-// "refused" (read at every call: a knob for tests and benchmarks of the fallback).
+// (no host synchronisation) and caches the answer. CLIPSHARD_ADDMM_FP32_ACCUMULATOR=0 (false, off,
+// no) forces "refused"; 1 (true, on, yes) or unset asks torch (read at every call: a knob for tests
+// and benchmarks of the fallback; other values raise, see env_vars.h).
 inline bool addmm_accepts_fp32_accumulator(const at::Device& device, at::ScalarType factors) {
-  const char* force = std::getenv("CLIPSHARD_ADDMM_FP32_ACCUMULATOR");
-  if (force != nullptr && std::strcmp(force, "0") == 0) return false;
+  if (env::flag("CLIPSHARD_ADDMM_FP32_ACCUMULATOR") == false) return false;
   static std::mutex mutex;
   static std::map<std::pair<c10::DeviceType, at::ScalarType>, bool> answers;
   const std::lock_guard<std::mutex> lock(mutex);

@@ -9,9 +9,8 @@
 // with shifts and blends; after 10 rounds a 4 x N transpose puts the words in element order.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
+#include "../env_vars.h"
 #include "clipshard/philox.h"
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -145,7 +144,7 @@ __attribute__((target("avx2"))) inline void philox_words_avx2(uint64_t seed, uin
 enum class SimdIsa { kBaseline, kAvx2, kAvx512 };
 
 // The widest instruction set of this CPU, or a narrower one named by the environment variable
-// CLIPSHARD_CPU_ISA (avx512, avx2, baseline; read once), so that tests can run every code path.
+// CLIPSHARD_CPU_ISA (avx512, avx2, baseline; read once; other values raise), so that tests can run every code path.
 inline SimdIsa simd_isa() {
 #if defined(CLIPSHARD_PHILOX_SIMD)
   static const SimdIsa isa = [] {
@@ -153,9 +152,9 @@ inline SimdIsa simd_isa() {
     SimdIsa best = __builtin_cpu_supports("avx512f") ? SimdIsa::kAvx512
                    : __builtin_cpu_supports("avx2") ? SimdIsa::kAvx2
                                                     : SimdIsa::kBaseline;
-    const char* wanted = std::getenv("CLIPSHARD_CPU_ISA");
-    if (wanted != nullptr && std::strcmp(wanted, "avx2") == 0) best = std::min(best, SimdIsa::kAvx2);
-    if (wanted != nullptr && std::strcmp(wanted, "baseline") == 0) best = SimdIsa::kBaseline;
+    const auto wanted = env::choice("CLIPSHARD_CPU_ISA", {"avx512", "avx2", "baseline"});
+    if (wanted == 1) best = std::min(best, SimdIsa::kAvx2);
+    if (wanted == 2) best = SimdIsa::kBaseline;
     return best;
   }();
   return isa;

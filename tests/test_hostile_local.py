@@ -1,0 +1,113 @@
+"""Hostile inputs in one process (issue 23): what apply_to_transformers' report says about subclasses
+that override forward and about torch.compile'd models (item 3), and the CLIPSHARD_* environment
+variables of the compiled extension (item 5): every known spelling honoured, anything else refused
+naming the variable."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import clipshard
+
+_PROBE = torch.ops.clipshard._addmm_accepts_fp32_accumulator
+
+
+@pytest.mark.parametrize("value", ["0", "false", "False", "OFF", "no"])
+def test_addmm_accumulator_variable_turns_the_accumulator_off_in_every_spelling(value, monkeypatch):
+    """Item 5: CLIPSHARD_ADDMM_FP32_ACCUMULATOR=false (off, no) was ignored; only "0" worked. The
+    probe's answer on the meta device (which accepts the accumulator) shows the variable's effect."""
+    assert _PROBE(torch.device("meta"), torch.bfloat16) is True
+    monkeypatch.setenv("CLIPSHARD_ADDMM_FP32_ACCUMULATOR", value)
+    assert _PROBE(torch.device("meta"), torch.bfloat16) is False
+
+
+@pytest.mark.parametrize("value", ["1", "true", "On", "yes", ""])
+def test_addmm_accumulator_variable_on_or_empty_asks_torch(value, monkeypatch):
+    monkeypatch.setenv("CLIPSHARD_ADDMM_FP32_ACCUMULATOR", value)
+    assert _PROBE(torch.device("meta"), torch.float16) is True
+    assert _PROBE(torch.device("cpu"), torch.float16) is False  # torch's CPU has no such kernel
+
+
+@pytest.mark.parametrize("value", ["fasle", "2", "disabled"])
+def test_addmm_accumulator_variable_refuses_unknown_values(value, monkeypatch):
+    """Item 5: a value the variable does not know raises, naming the variable and its spellings."""
+    monkeypatch.setenv("CLIPSHARD_ADDMM_FP32_ACCUMULATOR", value)
+    with pytest.raises(ValueError, match=f"CLIPSHARD_ADDMM_FP32_ACCUMULATOR must be one of 1, true, on, yes, 0, "
+                                         f"false, off, no .*got \"{value}\""):
+        _PROBE(torch.device("meta"), torch.bfloat16)
+
+
+def test_cpu_isa_variable_refuses_unknown_values_and_takes_any_case():
+    """Wider search (item 5's class): CLIPSHARD_CPU_ISA (read once per process, so in a child
+    process) ignored a value it did not know, e.g. a misspelt "avx-2", and ran the widest path.
+    Every path gives the same bits, so "Baseline" must print this process's result."""
+    script = ("import torch, clipshard\n"
+              "x = torch.linspace(-3, 3, 1001)\n"
+              "try:\n"
+              "    print(clipshard.stochastic_round(x, torch.bfloat16, seed=1, offset=2).float().sum().item())\n"
+              "except ValueError as e:\n"
+              "    print('ValueError', e)\n")
+    here = clipshard.stochastic_round(torch.linspace(-3, 3, 1001), torch.bfloat16, seed=1, offset=2)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(clipshard.__file__)))
+    outputs = {}
+    for value in ("avx-2", "Baseline"):
+        run = subprocess.run([sys.executable, "-c", script], env=dict(env, CLIPSHARD_CPU_ISA=value),
+                             capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr
+        outputs[value] = run.stdout.strip()
+    assert outputs["avx-2"].startswith("ValueError") and "CLIPSHARD_CPU_ISA must be one of avx512, avx2, " \
+                                                         "baseline" in outputs["avx-2"], outputs["avx-2"]
+    assert outputs["Baseline"] == str(here.float().sum().item())
+
+
+transformers = pytest.importorskip("transformers",
+                                   reason="transformers is not installed: pip install '.[transformers]'")
+
+from clipshard.integrations import transformers_loss  # noqa: E402
+from hf_tiny_models import tiny_model  # noqa: E402
+
+
+@pytest.fixture
+def patch():
+    patch = clipshard.apply_to_transformers()
+    yield patch
+    patch.undo()
+
+
+class _OwnForward(transformers.CLIPModel):
+    """A user's CLIPModel with its own forward and its own local loss (item 3)."""
+
+    def forward(self, *args, return_loss=None, **kwargs):
+        output = super().forward(*args, **kwargs)
+        output.loss = output.logits_per_image.diagonal().mean() if return_loss else None
+        return output
+
+
+class _KeepsForward(transformers.CLIPModel):
+    pass
+
+
+def test_report_says_a_subclass_that_overrides_forward_is_left_alone(patch):
+    """Item 3: covers() said True and report() "clipshard's global-batch loss" for a subclass whose
+    own forward (with its own loss) runs unpatched."""
+    assert not patch.covers(_OwnForward)
+    assert patch.report(_OwnForward) == (
+        "_OwnForward: left alone, its own _OwnForward.forward overrides CLIPModel's and computes its own loss "
+        "(clipshard's runs only if it calls CLIPModel.forward with return_loss=True)")
+    assert patch.covers(_KeepsForward)
+    assert patch.report(_KeepsForward) == "_KeepsForward: clipshard's global-batch loss (clip family)"
+
+
+def test_report_and_loss_from_embeddings_look_through_torch_compile(patch):
+    """Wider search (every patch report): a torch.compile'd model (an OptimizedModule around the
+    model, whose forward is the patched one) was reported as left alone, and loss_from_embeddings
+    refused it. Wrapping compiles nothing yet, so this costs no compilation."""
+    model = tiny_model("CLIPModel")
+    compiled = torch.compile(model)
+    assert patch.covers(compiled) and patch.report(compiled) == "CLIPModel: clipshard's global-batch loss (clip family)"
+    generator = torch.Generator().manual_seed(4)
+    image, text = (torch.nn.functional.normalize(torch.randn(5, 8, generator=generator), dim=1) for _ in range(2))
+    want = transformers_loss.loss_from_embeddings(model, image, text)
+    assert torch.equal(transformers_loss.loss_from_embeddings(compiled, image, text), want)
