@@ -39,27 +39,22 @@ def test_addmm_accumulator_variable_refuses_unknown_values(value, monkeypatch):
         _PROBE(torch.device("meta"), torch.bfloat16)
 
 
-def test_cpu_isa_variable_refuses_unknown_values_and_takes_any_case():
+def test_cpu_isa_variable_refuses_unknown_values():
     """Wider search (item 5's class): CLIPSHARD_CPU_ISA (read once per process, so in a child
-    process) ignored a value it did not know, e.g. a misspelt "avx-2", and ran the widest path.
-    Every path gives the same bits, so "Baseline" must print this process's result."""
+    process) ignored a value it did not know, e.g. a misspelt "avx-2", and ran the widest path. It
+    is read by the same helper as the variable above (spellings in any case)."""
     script = ("import torch, clipshard\n"
-              "x = torch.linspace(-3, 3, 1001)\n"
               "try:\n"
-              "    print(clipshard.stochastic_round(x, torch.bfloat16, seed=1, offset=2).float().sum().item())\n"
+              "    clipshard.stochastic_round(torch.linspace(-3, 3, 101), torch.bfloat16, seed=1, offset=2)\n"
+              "    print('no error')\n"
               "except ValueError as e:\n"
               "    print('ValueError', e)\n")
-    here = clipshard.stochastic_round(torch.linspace(-3, 3, 1001), torch.bfloat16, seed=1, offset=2)
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(clipshard.__file__)))
-    outputs = {}
-    for value in ("avx-2", "Baseline"):
-        run = subprocess.run([sys.executable, "-c", script], env=dict(env, CLIPSHARD_CPU_ISA=value),
-                             capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stderr
-        outputs[value] = run.stdout.strip()
-    assert outputs["avx-2"].startswith("ValueError") and "CLIPSHARD_CPU_ISA must be one of avx512, avx2, " \
-                                                         "baseline" in outputs["avx-2"], outputs["avx-2"]
-    assert outputs["Baseline"] == str(here.float().sum().item())
+    env = dict(os.environ, CLIPSHARD_CPU_ISA="avx-2",
+               PYTHONPATH=os.path.dirname(os.path.dirname(clipshard.__file__)))
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.startswith("ValueError") and "CLIPSHARD_CPU_ISA must be one of avx512, avx2, baseline " \
+                                                   "(or unset), got \"avx-2\"" in run.stdout, run.stdout
 
 
 transformers = pytest.importorskip("transformers",
