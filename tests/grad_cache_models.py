@@ -17,21 +17,22 @@ class TinyClip(nn.Module):
         self.image = nn.Sequential(nn.Linear(IMAGE_DIM, 16), nn.GELU(), nn.Dropout(dropout), nn.Linear(16, EMBED))
         self.text = nn.Sequential(nn.Embedding(VOCAB, 16), nn.Dropout(dropout), nn.Linear(16, EMBED))
         self.logit_scale = nn.Parameter(torch.full((1,), math.log(10.0)))
-        self.logit_bias = nn.Parameter(torch.full((1,), -2.0))
+        if with_bias:  # (ClipLoss's gradient of a bias is 0, rounding noise; DDP wants every parameter used)
+            self.logit_bias = nn.Parameter(torch.full((1,), -2.0))
         with torch.no_grad():
             for p in self.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.3 if p.dim() > 1 or p.numel() > 1 else p)
         self.to(dtype)
-        self.as_tuple, self.with_bias = as_tuple, with_bias  # (ClipLoss's gradient of a bias is 0: rounding noise)
+        self.as_tuple, self.with_bias = as_tuple, with_bias
 
     def forward(self, images, tokens):
         image = F.normalize(self.image(images.to(self.image[0].weight.dtype)), dim=-1)
         text = F.normalize(self.text(tokens).mean(dim=1).to(image.dtype), dim=-1)
-        scale, bias = self.logit_scale.exp(), self.logit_bias.clone()
+        scale = self.logit_scale.exp()
         if self.as_tuple:
-            return (image, text, scale, bias) if self.with_bias else (image, text, scale)
+            return (image, text, scale, self.logit_bias.clone()) if self.with_bias else (image, text, scale)
         output = {"image_features": image, "text_features": text, "logit_scale": scale}
-        return {**output, "logit_bias": bias} if self.with_bias else output
+        return {**output, "logit_bias": self.logit_bias.clone()} if self.with_bias else output
 
 
 def batch(size, seed, dtype=torch.float64):
