@@ -99,12 +99,15 @@ def batch_rows(args, device):
         }
         features = [torch.randn(size, args.width, device=device).requires_grad_() for _ in range(2)]
         configs["loss alone"] = lambda: loss_fn(*features, torch.tensor(14.3, device=device)).backward()
-        results = {name: memory_and_time(fn, device, args.repeats) for name, fn in configs.items()}
+        results = {}
+        for name, fn in configs.items():
+            results[name] = memory_and_time(fn, device, args.repeats)
+            print(f"  M = {size} {name}: {results[name]['peak_bytes'] / 2**20:.1f} MiB, "
+                  f"{results[name]['median_s']:.3f} s", flush=True)
         for name, result in results.items():
             rows.append({"M": size, "config": name, **result,
                          "time_vs_checkpointing": result["median_s"] / results["plain+checkpointing"]["median_s"],
                          "time_vs_plain": result["median_s"] / results["plain"]["median_s"]})
-        print(f"  M = {size} done", flush=True)
     return rows
 
 
@@ -131,15 +134,30 @@ def accumulation_rows(args, device):
             rows.append({"K": k, "M": size, "config": name, **timing, "losses": losses,
                          "time_vs_open_clip": timing["median_s"] / theirs[1]["median_s"],
                          "max_loss_difference": difference})
-        print(f"  K = {k} done", flush=True)
+        print(f"  K = {k}: open_clip {theirs[1]['median_s']:.3f} s, GradCache {ours[1]['median_s']:.3f} s, "
+              f"per-step losses within {difference:.1e}", flush=True)
     return rows
+
+
+STEP_COLUMNS = [("M", lambda r: str(r["M"])), ("step", lambda r: r["config"], "<"),
+                ("peak MiB", lambda r: f"{r['peak_bytes'] / 2**20:.1f}"),
+                ("median s", lambda r: f"{r['median_s']:.3f}"),
+                ("p20-p80 s", lambda r: f"{r['p20_s']:.3f}-{r['p80_s']:.3f}"),
+                ("time/ckpt", lambda r: f"{r['time_vs_checkpointing']:.2f}"),
+                ("time/plain", lambda r: f"{r['time_vs_plain']:.2f}")]
+ACCUMULATION_COLUMNS = [("K", lambda r: str(r["K"])), ("M", lambda r: str(r["M"])), ("step", lambda r: r["config"], "<"),
+                        ("median s", lambda r: f"{r['median_s']:.3f}"),
+                        ("time/open_clip", lambda r: f"{r['time_vs_open_clip']:.2f}"),
+                        ("max rel. loss diff", lambda r: f"{r['max_loss_difference']:.1e}")]
 
 
 def main():
     parser = parser_with_common_arguments(__doc__)
-    parser.add_argument("--sizes", type=int, nargs="+", default=[128, 256, 512, 1024], help="local batch sizes M")
+    parser.add_argument("--sizes", type=int, nargs="*", default=[128, 256, 512, 1024],
+                        help="local batch sizes M (none: skip the first table)")
     parser.add_argument("--micro", type=int, default=64, help="GradCache micro-batch (and open_clip's --batch-size)")
-    parser.add_argument("--accum", type=int, nargs="+", default=[4, 8], help="accumulation steps K")
+    parser.add_argument("--accum", type=int, nargs="*", default=[4, 8],
+                        help="accumulation steps K (none: skip the second table)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
@@ -149,19 +167,12 @@ def main():
     device = torch.device(args.device)
     print(f"small open_clip CLIP: {args.layers} x {args.width} towers, {run_metadata(device)}", flush=True)
     rows = batch_rows(args, device)
-    print_table([("M", lambda r: str(r["M"])), ("step", lambda r: r["config"], "<"),
-                 ("peak MiB", lambda r: f"{r['peak_bytes'] / 2**20:.1f}"),
-                 ("median s", lambda r: f"{r['median_s']:.3f}"),
-                 ("p20-p80 s", lambda r: f"{r['p20_s']:.3f}-{r['p80_s']:.3f}"),
-                 ("time/ckpt", lambda r: f"{r['time_vs_checkpointing']:.2f}"),
-                 ("time/plain", lambda r: f"{r['time_vs_plain']:.2f}")], rows,
-                title="one training step against the local batch M")
+    if rows:
+        print_table(STEP_COLUMNS, rows, title="one training step against the local batch M")
     accumulation = accumulation_rows(args, device)
-    print_table([("K", lambda r: str(r["K"])), ("M", lambda r: str(r["M"])), ("step", lambda r: r["config"], "<"),
-                 ("median s", lambda r: f"{r['median_s']:.3f}"),
-                 ("time/open_clip", lambda r: f"{r['time_vs_open_clip']:.2f}"),
-                 ("max rel. loss diff", lambda r: f"{r['max_loss_difference']:.1e}")], accumulation,
-                title=f"open_clip's --accum-freq K vs GradCache, micro-batch {args.micro}, {args.steps} AdamW steps")
+    if accumulation:
+        print_table(ACCUMULATION_COLUMNS, accumulation,
+                    title=f"open_clip's --accum-freq K vs GradCache, micro-batch {args.micro}, {args.steps} AdamW steps")
     write_json(args.json, {"meta": {**run_metadata(device), **vars(args)}, "steps": rows, "accumulation": accumulation})
 
 
