@@ -82,7 +82,10 @@ def open_clip_accum_step(model, loss_fn, images, texts, micro):
 
 
 def memory_and_time(step, device, repeats):
+    """Peak memory of one step, and the time of `repeats` steps (none: NaN, memory only)."""
     peak = peak_memory_bytes(step, device)
+    if repeats == 0:
+        return {"peak_bytes": peak, "median_s": float("nan"), "p20_s": float("nan"), "p80_s": float("nan")}
     return {"peak_bytes": peak, **time_repeats(step, device, repeats)}
 
 
@@ -160,7 +163,7 @@ def main():
                         help="accumulation steps K (none: skip the second table)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps (0: measure memory only)")
     parser.add_argument("--steps", type=int, default=3, help="AdamW steps of the accumulation comparison")
     args = parser.parse_args()
     require_device(__file__, args.device)
