@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--half-dtype", choices=sorted(HALF_DTYPES), default="bf16", help="the 16-bit format")
     p.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                    help="keep the text blocks' activations instead of recomputing them in backward")
+    p.add_argument("--micro-batch-size", type=int,
+                   help="run each rank's batch through clipshard.GradCache in micro-batches of this many pairs "
+                        "(the loss still sees the whole batch; docs/grad_cache.md)")
     p.add_argument("--compare", action="store_true",
                    help="train three times (text precision fp32, sr16, rn16) into DIR/<precision>/ and compare")
     p.add_argument("--eval-every", type=int, default=25, help="held-out zero-shot accuracy every N steps")
@@ -96,6 +99,8 @@ def parse_args(argv=None, world_size: int | None = None) -> argparse.Namespace:
             parser.error(f"--{name.replace('_', '-')} must not be negative, got {getattr(args, name)}")
     if not 0 <= args.seed < 2**31:  # numpy seeds seed + rank; the data generators multiply it
         parser.error(f"--seed must be in [0, 2**31), got {args.seed}")
+    if args.micro_batch_size is not None and args.micro_batch_size < 1:
+        parser.error(f"--micro-batch-size must be at least 1, got {args.micro_batch_size}")
     if args.batch_size % world_size:
         parser.error(f"--batch-size ({args.batch_size}) must be divisible by the number of ranks ({world_size})")
     available = num_train_images()
@@ -212,10 +217,17 @@ def train(args: argparse.Namespace, ranks: Ranks, out_dir: str, label: str = "",
         evaluate(0)
     loop_started = time.perf_counter()
     local_batch = args.batch_size // ranks.world_size
+    grad_cache = None
+    if args.micro_batch_size:
+        import clipshard
+        grad_cache = clipshard.GradCache(model_ddp, loss_fn, args.micro_batch_size)
     for step in range(start_step, stop):
         images, token_ids, _ = rank_batch(data, args.batch_size, args.seed, step, ranks.rank, ranks.world_size)
-        image_features, text_features, scale = model_ddp(images, token_ids)
-        loss = loss_fn(image_features, text_features, scale)
+        if grad_cache is not None:
+            loss = grad_cache(images, token_ids)  # the model re-runs per micro-batch in loss.backward()
+        else:
+            image_features, text_features, scale = model_ddp(images, token_ids)
+            loss = loss_fn(image_features, text_features, scale)
         for opt in optimizers.values():
             opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -7,6 +7,8 @@ CoCaLoss), and with the paper's recipe as options:
   --clipshard-adamw                         clipshard.optim.AdamW (16-bit states for 16-bit
                                             parameters) in place of torch.optim.AdamW, with the
                                             hyper-parameters and param groups open_clip_train builds
+and open_clip_train's own --accum-freq K runs as a clipshard.GradCache step (the loss evaluated once
+per step instead of K times; open_clip_grad_cache.py).
 It also lets open_clip_train's DDP run on CPU: open_clip_train passes device_ids=[device] for CPU
 modules too, which torch refuses; here CPU device_ids become None (GPU runs are unaffected).
 Everything is put back when main() returns. docs/open_clip.md.
@@ -19,6 +21,7 @@ import sys
 import torch
 
 from clipshard.integrations.open_clip_common import import_open_clip
+from clipshard.integrations.open_clip_grad_cache import grad_cache_epochs, one_batch_per_step
 from clipshard.integrations.open_clip_patch import apply_to_open_clip
 
 _PROG = "python -m clipshard.open_clip_train"
@@ -114,6 +117,18 @@ def _check_options(options, args):
         raise SystemExit(f"{_PROG}: --clipshard-adamw replaces open_clip_train's --opt adamw, got --opt {args.opt}")
     if options.clipshard_adamw and args.horovod:
         raise SystemExit(f"{_PROG}: --clipshard-adamw is not supported with --horovod")
+    if args.accum_freq > 1 and (args.horovod or args.distill_model is not None):
+        raise SystemExit(f"{_PROG}: --accum-freq (a clipshard.GradCache step) is not supported with "
+                         f"{'--horovod' if args.horovod else '--distill-model'}")
+
+
+def _grad_cache_hooks(stack, train_main, args):
+    """--accum-freq K: one batch of K x --batch-size per step through GradCache."""
+    if args.accum_freq == 1:
+        return
+    stack.enter_context(_replaced(train_main, "parse_args", one_batch_per_step(train_main.parse_args, args.accum_freq)))
+    stack.enter_context(_replaced(train_main, "train_one_epoch",
+                                  grad_cache_epochs(train_main.train_one_epoch, args.batch_size)))
 
 
 def main(argv=None):
@@ -122,12 +137,14 @@ def main(argv=None):
     import_open_clip(_PROG)
     from open_clip_train import main as train_main  # its data module needs pandas etc.: the [open_clip] extra
     from open_clip_train.params import parse_args
-    _check_options(options, parse_args(open_clip_argv))
+    args = parse_args(open_clip_argv)
+    _check_options(options, args)
     patch = apply_to_open_clip()
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_replaced(torch.nn.parallel, "DistributedDataParallel", _CpuDeviceIdsDDP))
             stack.enter_context(_replaced(train_main, "create_loss", _loss_hook(train_main.create_loss, patch)))
+            _grad_cache_hooks(stack, train_main, args)
             dtype = _DTYPES[options.clipshard_text_dtype]
             if dtype is not None:
                 hook = _text_tower_hook(train_main.create_model_and_transforms, dtype)

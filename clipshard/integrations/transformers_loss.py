@@ -19,7 +19,8 @@ Without torch.distributed (or with one rank) it is clipshard's fused single-devi
 import torch
 import torch.distributed as dist
 
-from clipshard.integrations.transformers_models import (CLIP, COVERED, SIGLIP, covered_entry,
+from clipshard.grad_cache import GradCache
+from clipshard.integrations.transformers_models import (CLIP, COVERED, IMAGE_ARGS, SIGLIP, covered_entry, embeddings,
                                                         logit_scale_and_bias, unwrap)
 from clipshard.loss import clip_loss
 from clipshard.siglip import siglip_loss
@@ -88,3 +89,23 @@ def loss_from_output(model, output, *, group=None):
             raise ValueError(f"loss_from_output: output has no {name}; pass the ModelOutput the model returns "
                              "(return_dict=True)")
     return loss_from_embeddings(model, output.image_embeds, output.text_embeds, group=group)
+
+
+def grad_cache_loss(model, entry, arguments, micro_batch_size):
+    """global_batch_loss of `model` (entry's class) for its forward's keyword `arguments`, through
+    clipshard.GradCache in micro-batches of micro_batch_size rows. It runs inside the model's
+    forward, which DDP (Trainer, accelerate) may wrap: the loss carries the parameters' gradients
+    through its own graph, so DDP sees each parameter's gradient once per step."""
+    tensors = {k: v for k, v in arguments.items() if torch.is_tensor(v)}
+    images = {k: v for k, v in tensors.items() if k in IMAGE_ARGS}
+    texts = {k: v for k, v in tensors.items() if k not in IMAGE_ARGS}
+    options = {k: v for k, v in arguments.items() if k not in tensors}
+
+    def towers(image_args, text_args):
+        image, text, _, _ = embeddings(model, entry, {**image_args, **text_args, **options})
+        return (image, text, *logit_scale_and_bias(model, entry, image.device))
+
+    def loss(image, text, scale, bias):
+        return global_batch_loss(entry.family, image, text, scale, bias)
+
+    return GradCache(towers, loss, micro_batch_size, parameters=model.parameters())(images, texts)

@@ -14,9 +14,11 @@ import functools
 import inspect
 import logging
 
+import torch
+
 from clipshard.integrations import transformers_models as models
 from clipshard.integrations.supported_import import import_supported
-from clipshard.integrations.transformers_loss import global_batch_loss
+from clipshard.integrations.transformers_loss import global_batch_loss, grad_cache_loss
 
 _LOG = logging.getLogger("clipshard")
 _FN = "clipshard.apply_to_transformers"
@@ -27,7 +29,7 @@ def import_transformers(fn=_FN):
     return import_supported(fn, "transformers", "transformers", "transformers", models.SUPPORTED_VERSIONS)
 
 
-def _with_global_loss(original, entry, logits):
+def _with_global_loss(original, entry, logits, micro_batch_size):
     """The forward that replaces `original` (entry's class's own forward)."""
     signature = inspect.signature(original)
 
@@ -40,6 +42,9 @@ def _with_global_loss(original, entry, logits):
         return_dict = arguments.pop("return_dict", None)
         if return_dict is None:
             return_dict = getattr(self.config, "return_dict", True)
+        if micro_batch_size is not None and torch.is_grad_enabled():
+            output = entry.output_class()(loss=grad_cache_loss(self, entry, arguments, micro_batch_size))
+            return output if return_dict else output.to_tuple()
         if logits:
             output = original(self, **arguments, return_loss=False, return_dict=True)
             fields = dict(output.items())
@@ -75,12 +80,13 @@ class TransformersPatch:
     """What apply_to_transformers changed. replaced: class name -> its family ("clip" / "siglip");
     kept: transformers' other models with a return_loss, left as they are; logits: whether the
     patched forwards still return logits when computing the loss; originals: class -> its own
-    forward, for undo()."""
+    forward, for undo(); micro_batch_size: the GradCache micro-batch of training calls, or None."""
     replaced: dict
     kept: tuple
     logits: bool
     originals: dict
     active: bool = True
+    micro_batch_size: int = None
 
     def covers(self, model):
         """Whether `model` (or its class) computes clipshard's loss while this patch is active: a
@@ -116,6 +122,8 @@ class TransformersPatch:
     def summary(self):
         replaced = ", ".join(f"{name} ({family})" for name, family in self.replaced.items())
         logits = "" if self.logits else " without logits when return_loss=True"
+        if self.micro_batch_size is not None:
+            logits = f" through clipshard.GradCache in micro-batches of {self.micro_batch_size} when training"
         return (f"clipshard's global-batch loss in transformers' {replaced}{logits}; left alone (their own "
                 f"losses): {', '.join(self.kept)}")
 
@@ -123,7 +131,7 @@ class TransformersPatch:
 _active = None
 
 
-def apply_to_transformers(*, logits=True):
+def apply_to_transformers(*, logits=True, micro_batch_size=None):
     """Makes `model(..., return_loss=True)` of transformers' CLIPModel, MetaClip2Model,
     ChineseCLIPModel, AltCLIPModel, VisionTextDualEncoderModel, SiglipModel and Siglip2Model (and
     their subclasses that keep the forward) return clipshard's loss over the global batch when
@@ -136,6 +144,12 @@ def apply_to_transformers(*, logits=True):
     logits_per_text are None), so training memory stays O(M x D); evaluation calls (no
     return_loss) still return them.
 
+    micro_batch_size=m: with grad enabled (training), return_loss=True runs the towers in
+    micro-batches of m through clipshard.GradCache (the loss once on the whole local batch, the
+    towers re-run per micro-batch in backward), so the step's memory stops growing with the batch;
+    the output then holds the loss only (no embeddings, no logits). Without grad (evaluation) the
+    forward is as above. docs/grad_cache.md.
+
     Call it before Trainer / accelerator.prepare / DDP wrap the model. Returns a TransformersPatch
     (`.replaced`, `.kept`, `.covers(model)`, `.report(model)`, `.summary()`, `.undo()`) and logs its
     summary to the "clipshard" logger. Calling it again while applied, with the same `logits`,
@@ -144,9 +158,13 @@ def apply_to_transformers(*, logits=True):
     global _active
     if not isinstance(logits, bool):
         raise TypeError(f"{_FN}: logits must be True or False, got {logits!r}")
+    if micro_batch_size is not None and (isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int)
+                                         or micro_batch_size < 1):
+        raise ValueError(f"{_FN}: micro_batch_size must be None or an int >= 1, got {micro_batch_size!r}")
     if _active is not None:
-        if _active.logits != logits:
-            raise ValueError(f"{_FN}: already applied with logits={_active.logits}; undo() that patch first")
+        if (_active.logits, _active.micro_batch_size) != (logits, micro_batch_size):
+            raise ValueError(f"{_FN}: already applied with logits={_active.logits}, micro_batch_size="
+                             f"{_active.micro_batch_size}; undo() that patch first")
         return _active
     import_transformers()
     originals, replaced = {}, {}
@@ -155,7 +173,8 @@ def apply_to_transformers(*, logits=True):
         originals[cls] = cls.__dict__["forward"]
         replaced[entry.name] = entry.family
     for cls, forward in originals.items():
-        cls.forward = _with_global_loss(forward, models.covered_entry(cls), logits)
-    _active = TransformersPatch(replaced=replaced, kept=models.NOT_COVERED, logits=logits, originals=originals)
+        cls.forward = _with_global_loss(forward, models.covered_entry(cls), logits, micro_batch_size)
+    _active = TransformersPatch(replaced=replaced, kept=models.NOT_COVERED, logits=logits, originals=originals,
+                                micro_batch_size=micro_batch_size)
     _LOG.info("clipshard: %s", _active.summary())
     return _active

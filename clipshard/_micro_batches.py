@@ -1,0 +1,190 @@
+"""What clipshard.GradCache needs around the model: splitting a batch into micro-batches, reading
+the model's outputs (open_clip's dict or tuple convention), and the state a re-run must replay
+(random generators, autocast). Errors name GradCache and the argument."""
+import contextlib
+from collections.abc import Mapping
+
+import torch
+
+FN = "GradCache"
+FEATURES = ("image_features", "text_features")
+UNBATCHED = ("logit_scale", "logit_bias")  # dict keys (tuple positions 2, 3) that have no batch dimension
+
+
+# --- inputs -------------------------------------------------------------------------------------
+
+def _tensors(name, value):
+    """[(label, tensor)] of an input: a tensor, or a dict / tuple / list of tensors."""
+    if torch.is_tensor(value):
+        return [(name, value)]
+    if isinstance(value, Mapping):
+        items = [(f"{name}[{key!r}]", v) for key, v in value.items()]
+    elif isinstance(value, (tuple, list)):
+        items = [(f"{name}[{i}]", v) for i, v in enumerate(value)]
+    else:
+        raise TypeError(f"{FN}: {name} must be a tensor or a dict / tuple of tensors, got {type(value).__name__}")
+    for label, v in items:
+        if not torch.is_tensor(v) or v.dim() == 0:
+            raise TypeError(f"{FN}: {label} must be a tensor with a batch dimension, got "
+                            f"{type(v).__name__ if not torch.is_tensor(v) else 'a 0-dim tensor'}")
+    if not items:
+        raise ValueError(f"{FN}: {name} holds no tensors")
+    return items
+
+
+def batch_size(images, texts):
+    """The common first dimension of every tensor in images and texts."""
+    items = _tensors("images", images) + _tensors("texts", texts)
+    first_label, first = items[0]
+    for label, tensor in items:
+        if tensor.dim() == 0 or tensor.shape[0] != first.shape[0]:
+            raise ValueError(f"{FN}: images and texts must have the same batch size (first dimension), got "
+                             f"{first.shape[0]} rows in {first_label} and {tensor.shape[0]} in {label}")
+    if first.shape[0] == 0:
+        raise ValueError(f"{FN}: the batch is empty ({first_label} has 0 rows)")
+    return first.shape[0]
+
+
+def split(value, size):
+    """The micro-batches of an input along dim 0, each of `size` rows (the last may be shorter)."""
+    if torch.is_tensor(value):
+        return list(torch.split(value, size))
+    if isinstance(value, Mapping):
+        parts = {key: split(v, size) for key, v in value.items()}
+        return [type(value)({key: chunks[i] for key, chunks in parts.items()}) for i in range(_count(parts))]
+    parts = [split(v, size) for v in value]
+    return [type(value)(chunks[i] for chunks in parts) for i in range(len(parts[0]))]
+
+
+def _count(parts):
+    return len(next(iter(parts.values())))
+
+
+# --- outputs ------------------------------------------------------------------------------------
+
+class Outputs:
+    """A model output as named values. keys: dict keys, or positions 0..n-1 of a tuple; batched:
+    the keys with a batch dimension (everything but logit_scale / logit_bias); the loss is called
+    as loss_fn(**values) for a dict and loss_fn(*values) for a tuple."""
+
+    def __init__(self, output, rows):
+        if isinstance(output, Mapping):
+            self.is_dict = True
+            missing = [k for k in FEATURES if not torch.is_tensor(output.get(k))]
+            if missing:
+                raise ValueError(f"{FN}: the model's output dict has no tensor {' / '.join(missing)} (keys: "
+                                 f"{sorted(output)}); model must return open_clip's dict or tuple of features")
+            self.values = dict(output)
+            self.batched = [k for k, v in output.items() if k not in UNBATCHED and torch.is_tensor(v)]
+        elif isinstance(output, (tuple, list)) and len(output) in (3, 4):
+            self.is_dict = False
+            if not all(torch.is_tensor(v) for v in output[:2]):
+                raise ValueError(f"{FN}: the model's output tuple must start with image_features and "
+                                 f"text_features tensors, got {[type(v).__name__ for v in output[:2]]}")
+            self.values = dict(enumerate(output))
+            self.batched = [0, 1]
+        else:
+            raise ValueError(f"{FN}: the model must return a dict with image_features and text_features (and "
+                             "logit_scale, logit_bias) or the tuple (image_features, text_features, logit_scale"
+                             f"[, logit_bias]), got {type(output).__name__}")
+        for key in self.batched:
+            value = self.values[key]
+            if value.dim() == 0 or value.shape[0] != rows:
+                raise ValueError(f"{FN}: the model's output {key!r} must have one row per sample ({rows} in this "
+                                 f"micro-batch), got shape {tuple(value.shape)}")
+        self.unbatched = [k for k, v in self.values.items() if k not in self.batched and torch.is_tensor(v)]
+
+    def call(self, fn, values):
+        if self.is_dict:
+            return fn(**values)
+        return fn(*(values[i] for i in range(len(values))))
+
+
+# --- what a re-run replays ----------------------------------------------------------------------
+
+class RandomState:
+    """The CPU generator's state and, once CUDA is in use, every CUDA device's."""
+
+    def __init__(self):
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def restore(self):
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+
+
+def autocast_state():
+    """[(device type, dtype)] of the autocast regions in effect, to re-enter for a re-run."""
+    return [(device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+            if torch.is_autocast_enabled(device)]
+
+
+@contextlib.contextmanager
+def autocast(state):
+    with contextlib.ExitStack() as stack:
+        for device, dtype in state:
+            stack.enter_context(torch.autocast(device, dtype=dtype))
+        yield
+
+
+# --- gradient synchronisation over ranks --------------------------------------------------------
+
+def _fsdp_modules(model):
+    if not isinstance(model, torch.nn.Module) or not torch.distributed.is_available():
+        return []
+    from torch.distributed.fsdp import FSDPModule
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def _fsdp_without_sync(modules):
+    for module in modules:
+        module.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for module in modules:
+            module.set_requires_gradient_sync(True, recurse=False)
+
+
+def without_gradient_sync(model):
+    """A context in which backward passes through `model` accumulate gradients locally: DDP's
+    no_sync(), FSDP2's set_requires_gradient_sync(False); nothing for other models."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.no_sync()
+    fsdp = _fsdp_modules(model)
+    return _fsdp_without_sync(fsdp) if fsdp else contextlib.nullcontext()
+
+
+def training_batch_norms(model):
+    """Names of the BatchNorm modules of `model` in training mode."""
+    if not isinstance(model, torch.nn.Module):
+        return []
+    return [f"{name or type(model).__name__} ({type(m).__name__})" for name, m in model.named_modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
+
+
+def _process_group(model):
+    """The group a DDP / FSDP2 model synchronises over; None for a model on one process."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return None
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return model.process_group
+    return torch.distributed.group.WORLD if _fsdp_modules(model) else None
+
+
+def raise_on_every_rank(model, error):
+    """Raises `error` (an exception or None) here and a matching error on every other rank of the
+    model's group, so that one rank's bad input never leaves the others waiting in a collective."""
+    group = _process_group(model)
+    if group is not None:
+        on_cpu = torch.distributed.get_backend(group) == "gloo"
+        device = "cpu" if on_cpu else next(model.parameters()).device
+        flag = torch.tensor([0 if error is None else 1], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
+        if error is None and flag.item():
+            raise ValueError(f"{FN}: another rank refused its input (its error says why); nothing was run")
+    if error is not None:
+        raise error

@@ -1,0 +1,196 @@
+"""clipshard.GradCache: a training step whose memory does not grow with the contrastive batch.
+
+    cache = clipshard.GradCache(model, loss_fn, micro_batch_size=64)
+    loss = cache(images, texts)     # the loss of the whole batch, evaluated once
+    loss.backward()                 # gradients of the plain full-batch step
+
+The loss of a batch of M pairs couples every sample with every other, so its gradient with respect
+to the model needs all M feature pairs at once; but it depends on the model only through those
+features. So (the gradient cache of Gao et al., 2021):
+  1. forward: the model runs over micro-batches of m rows under no_grad (no activations kept),
+     the features are concatenated, the loss is evaluated once on the whole batch and its
+     gradients G with respect to the features (M x D each, plus logit_scale / logit_bias) kept;
+  2. backward (when loss.backward() reaches the returned loss, scaled by its incoming gradient g):
+     each micro-batch runs again with grad, and backward(features_i, g * G_i) adds its part of the
+     parameters' gradient. By the chain rule the sum is the full-batch gradient. Outputs without a
+     batch dimension (logit_scale, logit_bias) get their gradient once, in the last re-run.
+Activations live for one micro-batch at a time; the cost is one extra forward of the model.
+
+Each re-run draws the random numbers of its first pass (dropout masks and the like): the CPU
+generator and every CUDA device's are saved before each micro-batch and restored for its re-run,
+and the generators are put back afterwards. Autocast regions active at the call are re-entered.
+Over ranks the re-runs accumulate locally and only the last one synchronises gradients (DDP's
+no_sync, FSDP2's set_requires_gradient_sync), so gradients are reduced once per step.
+docs/grad_cache.md.
+"""
+import contextlib
+
+import torch
+
+from clipshard import _micro_batches as mb
+from clipshard._checks import check_bool
+
+FN = mb.FN
+
+
+class GradCache:
+    """A training step over any `model(images, texts)` returning open_clip's outputs (a dict with
+    image_features, text_features, logit_scale[, logit_bias], or the tuple in that order) and any
+    `loss_fn` with open_clip's loss call signature (clipshard's ClipLoss / SigLipLoss in every mode,
+    open_clip's own). loss_fn may return a scalar or a dict of scalars (output_dict=True), summed.
+
+    micro_batch_size: rows per model call (an int >= 1); the loss always sees the whole batch.
+    allow_batch_norm: BatchNorm in training mode normalises each micro-batch with its own
+        statistics (and updates its running statistics twice), so the step is not the full-batch
+        step; GradCache refuses such a model unless this is True.
+    parameters: None (default) accumulates the re-runs' gradients into .grad with nested backward
+        passes (DDP / FSDP2 models synchronise on the last one). Given the model's parameters, the
+        returned loss instead carries their summed gradient through its own graph: for a GradCache
+        called inside a model's forward that DDP wraps (apply_to_transformers), where DDP expects
+        each parameter's gradient once per forward.
+    """
+
+    def __init__(self, model, loss_fn, micro_batch_size, *, allow_batch_norm=False, parameters=None):
+        if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
+            raise TypeError(f"{FN}: micro_batch_size must be an int, got {micro_batch_size!r} "
+                            f"({type(micro_batch_size).__name__})")
+        if micro_batch_size < 1:
+            raise ValueError(f"{FN}: micro_batch_size must be >= 1, got {micro_batch_size}")
+        for name, value in (("model", model), ("loss_fn", loss_fn)):
+            if not callable(value):
+                raise TypeError(f"{FN}: {name} must be callable, got {type(value).__name__}")
+        check_bool(FN, "allow_batch_norm", allow_batch_norm)
+        self.model, self.loss_fn, self.micro_batch_size = model, loss_fn, micro_batch_size
+        self.allow_batch_norm = allow_batch_norm
+        self.parameters = None if parameters is None else [p for p in parameters if p.requires_grad]
+
+    def __call__(self, images, texts):
+        """The loss of the whole batch (a 0-dim tensor). Its backward re-runs the model per
+        micro-batch; without grad mode (evaluation) it is just the loss."""
+        mb.raise_on_every_rank(self.model, self._input_error(images, texts))
+        pieces = list(zip(mb.split(images, self.micro_batch_size), mb.split(texts, self.micro_batch_size)))
+        if not torch.is_grad_enabled():
+            outputs = [mb.Outputs(self.model(*piece), _rows(piece)) for piece in pieces]
+            return _total(outputs[0].call(self.loss_fn, _concatenated(outputs)))
+        step = _Step(self, pieces)
+        anchor = torch.zeros((), device=step.loss.device, requires_grad=True)
+        return _ReplayInBackward.apply(step, step.loss, anchor, *(self.parameters or ()))
+
+    def _input_error(self, images, texts):
+        """The error this call's inputs deserve, or None (raised on every rank by the caller)."""
+        norms = [] if self.allow_batch_norm else mb.training_batch_norms(self.model)
+        if norms:
+            return ValueError(f"{FN}: model has BatchNorm in training mode ({', '.join(norms)}), whose "
+                              "statistics differ per micro-batch; put it in eval mode or pass "
+                              "allow_batch_norm=True to accept per-micro-batch statistics")
+        try:
+            mb.batch_size(images, texts)
+        except (TypeError, ValueError) as error:
+            return error
+        return None
+
+
+def _rows(piece):
+    return mb.batch_size(*piece)
+
+
+def _total(loss):
+    """A loss_fn result as one scalar: a dict of terms (open_clip's output_dict) is summed."""
+    if isinstance(loss, dict):
+        loss = sum(loss.values())
+    if not torch.is_tensor(loss) or loss.numel() != 1:
+        raise ValueError(f"{FN}: loss_fn must return a scalar tensor (or a dict of them), got "
+                         f"{type(loss).__name__ if not torch.is_tensor(loss) else tuple(loss.shape)}")
+    return loss.reshape(())
+
+
+def _concatenated(outputs):
+    """The whole batch's loss inputs: batched outputs concatenated, the others from the first
+    micro-batch (they do not depend on the samples)."""
+    values = dict(outputs[0].values)
+    for key in outputs[0].batched:
+        values[key] = torch.cat([o.values[key] for o in outputs])
+    return values
+
+
+class _Step:
+    """One call's first pass (the loss and its gradients with respect to the model's outputs) and
+    what its re-runs need."""
+
+    def __init__(self, cache, pieces):
+        self.cache, self.pieces = cache, pieces
+        self.autocast = mb.autocast_state()
+        self.random_states, outputs = [], []
+        for piece in pieces:
+            self.random_states.append(mb.RandomState())
+            with torch.no_grad():
+                outputs.append(mb.Outputs(cache.model(*piece), _rows(piece)))
+        self.layout = outputs[0]
+        values = _concatenated(outputs)
+        leaves = {k: values[k].detach().requires_grad_(values[k].is_floating_point())
+                  for k in self.layout.batched + self.layout.unbatched}
+        values.update(leaves)
+        with torch.enable_grad():
+            loss = _total(self.layout.call(cache.loss_fn, values))
+            wanted = {k: v for k, v in leaves.items() if v.requires_grad}
+            grads = torch.autograd.grad(loss, list(wanted.values()), allow_unused=True) if loss.requires_grad \
+                else [None] * len(wanted)
+        self.loss = loss.detach()
+        self.grads = {k: g for k, g in zip(wanted, grads) if g is not None}
+        self.rows = [_rows(piece) for piece in pieces]
+
+    def replay(self, grad_output):
+        """Re-runs every micro-batch with grad and back-propagates its share of the cached
+        gradients times grad_output. Returns the parameters' gradients in `parameters` mode."""
+        cache, last = self.cache, len(self.pieces) - 1
+        generators = mb.RandomState()
+        summed = None
+        start = 0
+        try:
+            for index, piece in enumerate(self.pieces):
+                self.random_states[index].restore()
+                rows = slice(start, start + self.rows[index])
+                start = rows.stop
+                sync = index == last or cache.parameters is not None
+                with (mb.without_gradient_sync(cache.model) if not sync else contextlib.nullcontext()), \
+                        torch.enable_grad(), mb.autocast(self.autocast):
+                    output = mb.Outputs(cache.model(*piece), self.rows[index])
+                keys = [k for k in output.batched if k in self.grads]
+                if index == last:
+                    keys += [k for k in output.unbatched if k in self.grads]
+                pairs = [(output.values[k], self.grads[k][rows] if k in output.batched else self.grads[k])
+                         for k in keys if output.values[k].requires_grad]
+                tensors = [t for t, _ in pairs]
+                grads = [(g * grad_output).to(t.dtype) for t, g in pairs]
+                if cache.parameters is None:
+                    if tensors:
+                        torch.autograd.backward(tensors, grads)
+                    continue
+                found = torch.autograd.grad(tensors, cache.parameters, grads, allow_unused=True) if tensors \
+                    else [None] * len(cache.parameters)
+                summed = found if summed is None else [_add(a, b) for a, b in zip(summed, found)]
+        finally:
+            generators.restore()
+        return summed
+
+
+def _add(a, b):
+    return b if a is None else a if b is None else a + b
+
+
+class _ReplayInBackward(torch.autograd.Function):
+    """The loss value forward; its backward runs the step's re-runs (nested backward passes, or the
+    parameters' gradients returned here in `parameters` mode)."""
+
+    @staticmethod
+    def forward(ctx, step, loss, anchor, *parameters):
+        ctx.step = step
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.step is None:
+            raise RuntimeError(f"{FN}: backward ran twice through the same loss; call the GradCache again")
+        step, ctx.step = ctx.step, None  # frees the cached gradients and inputs once done
+        grads = step.replay(grad_output)
+        return (None, None, None, *(grads or ()))
