@@ -38,8 +38,8 @@ def _build_and_run(tmp_path, *args, first_include=None):
 def test_distill_kernels_match_double_reference_in_host_emulation(tmp_path):
     run = _build_and_run(tmp_path)
     assert run.returncode == 0 and "ALL OK" in run.stdout, run.stdout + run.stderr
-    for dtype in ("fp32", "bf16", "fp16"):
-        assert run.stdout.count(f"ok distill {dtype} ") == 4, run.stdout
+    for dtype, cases in (("fp32", 4), ("bf16", 2), ("fp16", 3)):
+        assert run.stdout.count(f"ok distill {dtype} ") == cases, run.stdout
     assert "ok control: fp16 without the pre-scale loses" in run.stdout
 
 
@@ -51,6 +51,6 @@ def test_emulation_fails_on_a_broken_kernel(tmp_path):
     source = KERNELS.read_text()
     assert source.count("teacher_col.add(t, s);") == 1
     (broken / KERNELS.name).write_text(source.replace("teacher_col.add(t, s);", "teacher_col.add(t, t);"))
-    run = _build_and_run(tmp_path, "--fp32-only", first_include=broken)
+    run = _build_and_run(tmp_path, "--quick", first_include=broken)
     assert run.returncode != 0 and "SOME FAILED" in run.stdout, run.stdout + run.stderr
     assert "MISMATCH col_cross" in run.stdout, run.stdout

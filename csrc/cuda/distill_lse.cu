@@ -169,7 +169,7 @@ Tensor fp16_prescales(const DistillBackwardInputs& in, const Tensor& rows, const
       one, abs_sum({in.g_row_lse, sum_over_teachers(in.g_row_cross)}, zeros_m),
       abs_sum({in.g_col_lse, sum_over_teachers(in.g_col_cross)}, zeros_k),
       in.g_pos.defined() ? in.g_pos : zeros_m));
-  const Tensor width = 2 * scale_f.abs() * rows.float().norm(2, 1).max() * cols.float().norm(2, 1).max();
+  const Tensor width = 2 * scale_f.abs() * rows.to(at::kFloat).norm(2, 1).max() * cols.to(at::kFloat).norm(2, 1).max();
   for (int64_t t = 0; t < T; ++t) {
     auto term = [&](const Tensor& g_lse, const Tensor& g_cross, const Tensor& zeros) {
       Tensor total = g_lse.defined() ? g_lse[t].abs() : zeros.clone();

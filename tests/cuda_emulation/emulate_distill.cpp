@@ -283,9 +283,9 @@ static bool run_case(const Case& c, std::mt19937& gen) {
   return ok;
 }
 
-// With --fp32-only: the fp32 cases alone (a quick run for the test that breaks a kernel on purpose).
+// With --quick: the fp32 two-teacher case alone (for the test that breaks a kernel on purpose).
 int main(int argc, char** argv) {
-  const bool fp32_only = argc > 1 && std::string(argv[1]) == "--fp32-only";
+  const bool quick = argc > 1 && std::string(argv[1]) == "--quick";
   std::mt19937 gen(2468);
   const Case cases[] = {
       {1, 1, 1, 0, 128, 1.f, {1.f}, false},                   // a single pair
@@ -294,13 +294,16 @@ int main(int argc, char** argv) {
       {17, 400, 2, 5, 128, 14.3f, {20.f, 5.f}, true},         // realistic upstream gradients
   };
   bool all = true;
-  for (const Case& c : cases) all &= run_case<float>(c, gen);
-  if (fp32_only) {
+  if (quick) {
+    all = run_case<float>(cases[1], gen);
     std::printf(all ? "ALL OK\n" : "SOME FAILED\n");
     return all ? 0 : 1;
   }
-  for (const Case& c : cases) all &= run_case<c10::BFloat16>(c, gen);
-  for (const Case& c : cases) all &= run_case<c10::Half>(c, gen);
+  // Every case in fp32; the 16-bit dlogits (the forward reads fp32 whatever the dtype) on the cases
+  // where their rounding matters: two teachers, scale 100 (fp16), realistic gradients.
+  for (const Case& c : cases) all &= run_case<float>(c, gen);
+  for (int n : {1, 3}) all &= run_case<c10::BFloat16>(cases[n], gen);
+  for (int n : {1, 2, 3}) all &= run_case<c10::Half>(cases[n], gen);
   // Control: with realistic gradients, fp16 dlogits without the pre-scale underflow and must fail.
   g_without_prescale = true;
   const bool control_failed = !run_case<c10::Half>(cases[3], gen);
