@@ -65,4 +65,28 @@ TORCH_LIBRARY(clipshard, m) {
       "siglip_forward(Tensor rows, Tensor cols, Tensor scale, Tensor? bias, int? pos_offset, bool with_grad, "
       "int workspace_bytes) -> (Tensor loss_sum, Tensor grad_rows, Tensor grad_cols, Tensor grad_scale, "
       "Tensor grad_bias)");
+
+  // Fused distillation statistics (docs/distillation_cuda.md). Student logits s_ij = scale * rows_i .
+  // cols_j, teacher logits t^k_ij = teacher_scale[k] * teacher_rows[k, i] . teacher_cols[k, j] for the
+  // T stacked teachers, P^k / Q^k the teachers' row / column softmaxes. Forward: row_lse = logsumexp_j
+  // s_ij, pos_logit = s_{i, i + pos_offset}, teacher_row_lse (T, M) = logsumexp_j t^k_ij, row_cross
+  // (T, M) = sum_j P^k_ij s_ij; with want_columns the same over the M rows for each column (col_lse,
+  // teacher_col_lse, col_cross; else empty (0,) / (T, 0) tensors). Outputs fp32 (fp64 for fp64 rows).
+  // The backward is the exact vector-Jacobian product of every output (any upstream gradient may be
+  // None); without teacher_grad the three teacher gradients are empty tensors and dT is never formed.
+  // Never stores an M x K matrix: workspace_bytes bounds the per-chunk workspace (CUDA: the chunk of
+  // logits; CPU: the per-thread column-gradient accumulators of the backward).
+  m.def(
+      "distill_lse(Tensor rows, Tensor cols, Tensor teacher_rows, Tensor teacher_cols, Tensor scale, "
+      "Tensor teacher_scale, int pos_offset, bool want_columns, int workspace_bytes) -> (Tensor row_lse, "
+      "Tensor pos_logit, Tensor teacher_row_lse, Tensor row_cross, Tensor col_lse, Tensor teacher_col_lse, "
+      "Tensor col_cross)");
+  m.def(
+      "distill_lse_backward(Tensor? grad_row_lse, Tensor? grad_pos_logit, Tensor? grad_teacher_row_lse, "
+      "Tensor? grad_row_cross, Tensor? grad_col_lse, Tensor? grad_teacher_col_lse, Tensor? grad_col_cross, "
+      "Tensor rows, Tensor cols, Tensor teacher_rows, Tensor teacher_cols, Tensor scale, Tensor teacher_scale, "
+      "int pos_offset, Tensor row_lse, Tensor teacher_row_lse, Tensor row_cross, Tensor col_lse, "
+      "Tensor teacher_col_lse, Tensor col_cross, bool teacher_grad, int workspace_bytes) -> (Tensor grad_rows, "
+      "Tensor grad_cols, Tensor grad_teacher_rows, Tensor grad_teacher_cols, Tensor grad_scale, "
+      "Tensor grad_teacher_scale)");
 }

@@ -100,57 +100,83 @@ void for_each_chunk(const at::Tensor& rows, const at::Tensor& cols, int64_t kc, 
   }
 }
 
-// For every chunk, fill_grad(chunk, dlogits) writes dlogits (M x width, dtype grad_dtype): the
-// gradient of the loss with respect to chunk.dots (the logit scale applied), times a power-of-two
-// prescale when the caller uses one. The driver accumulates grad_rows = sum_chunks dlogits @
-// cols_chunk and grad_cols[chunk] = dlogits^T @ rows, multiplies both by `unscale` (a 0-dim fp32
-// tensor, 1 / prescale; undefined for none) and returns them in out_dtype (default: rows' dtype).
+// The gradient GEMMs of the chunks, one chunk at a time: add(begin, dlogits) takes the gradient
+// of the loss with respect to the chunk's logits (M x width, dtype grad_dtype, times a power-of-two
+// prescale when the caller uses one) and accumulates grad_rows += dlogits @ cols_chunk and
+// grad_cols[chunk] = dlogits^T @ rows; finish() multiplies both by `unscale` (a 0-dim fp32 tensor,
+// 1 / prescale; undefined for none) and returns them in out_dtype (default: rows' dtype).
+class GradientAccumulator {
+ public:
+  GradientAccumulator(const at::Tensor& rows, const at::Tensor& cols, int64_t kc, at::ScalarType grad_dtype,
+                      const at::Tensor& unscale, std::optional<at::ScalarType> out_dtype = std::nullopt)
+      : rows_(rows), cols_(cols), grad_dtype_(grad_dtype), unscale_(unscale) {
+    const int64_t M = rows.size(0), K = cols.size(0), D = rows.size(1);
+    acc_ = accumulate_type(rows.scalar_type());
+    out_ = out_dtype.value_or(rows.scalar_type());
+    const int64_t width_max = std::min(kc, K);
+    grad_rows_ = at::zeros({M, D}, rows.options().dtype(acc_));
+    grad_cols_ = at::empty({K, D}, rows.options().dtype(out_));
+    // grad_cols chunks go straight into the output when no conversion or unscaling is needed; else
+    // through an fp32 chunk buffer (16-bit outputs are then rounded once, from fp32).
+    direct_ = !unscale.defined() && grad_dtype == acc_ && out_ == acc_;
+    if (!direct_) cols_buffer_ = at::empty({width_max * D}, rows.options().dtype(acc_));
+    // 16-bit dlogits where torch's addmm.dtype_out refuses an fp32 accumulator with 16-bit factors:
+    // the rows' gradient of a chunk goes through an fp32 M x D buffer and is then added (the extra
+    // M x D traffic is a few % of the chunk's GEMMs).
+    buffered_rows_ = grad_dtype != acc_ && !addmm_accepts_fp32_accumulator(rows.device(), grad_dtype);
+    if (buffered_rows_) rows_buffer_ = at::empty({M, D}, rows.options().dtype(acc_));
+  }
+
+  void add(int64_t begin, const at::Tensor& dlogits) {
+    const int64_t width = dlogits.size(1);
+    const at::Tensor cols_chunk = cols_.narrow(0, begin, width);
+    if (grad_dtype_ == acc_) {
+      grad_rows_.addmm_(dlogits, cols_chunk);  // beta = 1: accumulate in place
+    } else if (!buffered_rows_) {
+      at::addmm_out(grad_rows_, grad_rows_, dlogits, cols_chunk, acc_);  // fp32 accumulator, beta = 1
+    } else {
+      at::Tensor chunk_rows = rows_buffer_;
+      mm_into(chunk_rows, dlogits, cols_chunk);
+      grad_rows_.add_(chunk_rows);
+    }
+    at::Tensor cols_out = grad_cols_.narrow(0, begin, width);
+    if (direct_) {
+      at::mm_out(cols_out, dlogits.t(), rows_);
+      return;
+    }
+    at::Tensor buffer = workspace_view(cols_buffer_, width, rows_.size(1));
+    mm_into(buffer, dlogits.t(), rows_);
+    if (unscale_.defined()) buffer.mul_(unscale_);
+    cols_out.copy_(buffer);
+  }
+
+  std::pair<at::Tensor, at::Tensor> finish() {
+    if (unscale_.defined()) grad_rows_.mul_(unscale_);
+    return {grad_rows_.to(out_), grad_cols_};
+  }
+
+ private:
+  at::Tensor rows_, cols_;
+  at::ScalarType grad_dtype_, acc_, out_;
+  at::Tensor unscale_, grad_rows_, grad_cols_, cols_buffer_, rows_buffer_;
+  bool direct_, buffered_rows_;
+};
+
+// For every chunk, fill_grad(chunk, dlogits) writes dlogits (M x width, dtype grad_dtype) as
+// GradientAccumulator::add takes them; returns its finish().
 template <class FillGrad>
 std::pair<at::Tensor, at::Tensor> chunked_gradients(const at::Tensor& rows, const at::Tensor& cols, int64_t kc,
                                                     at::ScalarType grad_dtype, const at::Tensor& unscale,
                                                     FillGrad&& fill_grad,
                                                     std::optional<at::ScalarType> out_dtype = std::nullopt) {
-  const int64_t M = rows.size(0), K = cols.size(0), D = rows.size(1);
-  const auto acc = accumulate_type(rows.scalar_type());
-  const auto out = out_dtype.value_or(rows.scalar_type());
-  const int64_t width_max = std::min(kc, K);
-  const at::Tensor grad_workspace = at::empty({M * width_max}, rows.options().dtype(grad_dtype));
-  at::Tensor grad_rows = at::zeros({M, D}, rows.options().dtype(acc));
-  at::Tensor grad_cols = at::empty({K, D}, rows.options().dtype(out));
-  // grad_cols chunks go straight into the output when no conversion or unscaling is needed; else
-  // through an fp32 chunk buffer (16-bit outputs are then rounded once, from fp32).
-  const bool direct = !unscale.defined() && grad_dtype == acc && out == acc;
-  const at::Tensor cols_buffer = direct ? at::Tensor() : at::empty({width_max * D}, rows.options().dtype(acc));
-  // 16-bit dlogits where torch's addmm.dtype_out refuses an fp32 accumulator with 16-bit factors:
-  // the rows' gradient of a chunk goes through an fp32 M x D buffer and is then added (the extra
-  // M x D traffic is a few % of the chunk's GEMMs).
-  const bool buffered_rows = grad_dtype != acc && !addmm_accepts_fp32_accumulator(rows.device(), grad_dtype);
-  const at::Tensor rows_buffer = buffered_rows ? at::empty({M, D}, rows.options().dtype(acc)) : at::Tensor();
+  const at::Tensor grad_workspace = at::empty({rows.size(0) * std::min(kc, cols.size(0))}, rows.options().dtype(grad_dtype));
+  GradientAccumulator gradients(rows, cols, kc, grad_dtype, unscale, out_dtype);
   for_each_chunk(rows, cols, kc, [&](const Chunk& chunk) {
-    at::Tensor dlogits = workspace_view(grad_workspace, M, chunk.width);
+    at::Tensor dlogits = workspace_view(grad_workspace, rows.size(0), chunk.width);
     fill_grad(chunk, dlogits);
-    const at::Tensor cols_chunk = cols.narrow(0, chunk.begin, chunk.width);
-    if (grad_dtype == acc) {
-      grad_rows.addmm_(dlogits, cols_chunk);  // beta = 1: accumulate in place
-    } else if (!buffered_rows) {
-      at::addmm_out(grad_rows, grad_rows, dlogits, cols_chunk, acc);  // fp32 accumulator, beta = 1
-    } else {
-      at::Tensor chunk_rows = rows_buffer;
-      mm_into(chunk_rows, dlogits, cols_chunk);
-      grad_rows.add_(chunk_rows);
-    }
-    at::Tensor cols_out = grad_cols.narrow(0, chunk.begin, chunk.width);
-    if (direct) {
-      at::mm_out(cols_out, dlogits.t(), rows);
-      return;
-    }
-    at::Tensor buffer = workspace_view(cols_buffer, chunk.width, D);
-    mm_into(buffer, dlogits.t(), rows);
-    if (unscale.defined()) buffer.mul_(unscale);
-    cols_out.copy_(buffer);
+    gradients.add(chunk.begin, dlogits);
   });
-  if (unscale.defined()) grad_rows.mul_(unscale);
-  return {grad_rows.to(out), grad_cols};
+  return gradients.finish();
 }
 
 }  // namespace clipshard::chunked

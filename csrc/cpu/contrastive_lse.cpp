@@ -22,65 +22,27 @@
 
 #include "clipshard/online_lse.h"
 #include "contrastive_lse_chunked.h"
+#include "cpu_tiles.h"
 #include "../block_args.h"
 #include "../chunked/algorithm.h"
 
 namespace clipshard {
 namespace {
 
+using namespace cpu_tiles;
+
 // Tile shape: a 128 x 512 fp32 tile is 256 KiB, so the tile and its exponentials stay in L2.
 constexpr int64_t kRowBlock = 128;
 constexpr int64_t kColBlock = 512;
-// A tile whose logits span less than this range is exponentiated once, against its maximum: every
-// exp(S - max) is then a normal float (e^-80 > FLT_MIN ~ e^-87.3), so a single exponential per logit
-// serves the row sums, the column sums and both softmaxes of the backward. Wider tiles (large scales,
-// NaN, Inf) take the exact two-exponential path with per-row and per-column shifts.
-constexpr double kOneExpRange = 80.0;
 // Upper bound on each thread's column-gradient accumulator in the backward (columns are processed in
 // super-blocks of at most this many bytes of K x D accumulator per thread).
 constexpr int64_t kColGradBytesPerThread = int64_t(8) << 20;
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-template <typename acc_t>
-acc_t finite_or_zero(acc_t x) { return std::isfinite(x) ? x : acc_t(0); }
-
-// The maximum of an OnlineLse state that holds sum = sum exp(x - finite_or_zero(m)) for a
-// row's or column's maximum m: its finite maximum, or -inf when m is not finite (reference 0).
-template <typename acc_t>
-acc_t state_max(acc_t m) { return std::isfinite(m) ? m : -std::numeric_limits<acc_t>::infinity(); }
-
-// Contiguous [n x m] view of the start of a flat scratch buffer.
-at::Tensor scratch_view(const at::Tensor& buffer, int64_t n, int64_t m) {
-  return buffer.narrow(0, 0, n * m).view({n, m});
-}
-
-// Which row blocks chunk c of n_chunks owns: [first, last).
-std::pair<int64_t, int64_t> chunk_blocks(int64_t c, int64_t n_chunks, int64_t n_blocks) {
-  return {c * n_blocks / n_chunks, (c + 1) * n_blocks / n_chunks};
-}
-
-// tile = scale * a @ b^T (BLAS, single-threaded inside a parallel region).
-void similarity_tile(at::Tensor& tile, const at::Tensor& a, const at::Tensor& b, double scale) {
-  at::addmm_out(tile, tile, a, b.t(), /*beta=*/0, /*alpha=*/scale);
-}
-
-// True (and lo/hi set) when the tile's logits are finite and span less than kOneExpRange.
-template <typename acc_t>
-bool narrow_range(const at::Tensor& tile, acc_t& hi) {
-  auto minmax = at::aminmax(tile);
-  const acc_t lo = std::get<0>(minmax).template item<acc_t>();
-  hi = std::get<1>(minmax).template item<acc_t>();
-  return hi - lo < acc_t(kOneExpRange);  // false for NaN and Inf
-}
 
 void check_vector(const char* op, const char* name, const at::Tensor& t, int64_t n, const at::Tensor& rows) {
   TORCH_CHECK(t.dim() == 1 && t.size(0) == n, op, ": ", name, " must have shape [", n, "], got ", t.sizes());
   TORCH_CHECK(t.device() == rows.device(), op, ": ", name, " must be on the same device as rows (",
               rows.device(), "), got ", t.device());
 }
-
-at::ScalarType acc_type_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
 
 // ---------------------------------------------------------------------------------------- forward
 

@@ -57,14 +57,20 @@ struct GradChunkParams {
   float* partial_bias;     // same layout: sum of dS
 };
 
+__device__ __forceinline__ Lse shuffle_xor(const Lse& s, int lane_mask) {
+  return {__shfl_xor_sync(0xffffffffu, s.max, lane_mask), __shfl_xor_sync(0xffffffffu, s.sum, lane_mask)};
+}
+
 // A warp's kRows row states, one set per lane, reduced so that lane r (r < kRows) ends with row
 // r's total: at each of log2(kRows) steps a lane keeps half of its states and merges in its
 // partner's copy of that half (kRows - 1 merges per lane instead of log2(kRows) x kRows); lane l
 // then holds row l % kRows over the lanes that agree with it in the low bits, and with kRows < 32
 // the lanes l, l + kRows, ... are folded together by plain xor shuffles. Every index is a
 // compile-time constant (the inner loop has a fixed trip count), so the states stay in registers.
-template <int kRows>
-__device__ __forceinline__ Lse warp_reduce_rows(Lse (&state)[kRows]) {
+// State: any online state with merge() and a shuffle_xor overload (Lse here; the distillation
+// kernels' OnlineSoftmaxMean too).
+template <int kRows, typename State = Lse>
+__device__ __forceinline__ State warp_reduce_rows(State (&state)[kRows]) {
   static_assert(kRows == 16 || kRows == 32, "a power of two that divides the warp, >= 16");
   const int lane = threadIdx.x % 32;
 #pragma unroll
@@ -73,21 +79,15 @@ __device__ __forceinline__ Lse warp_reduce_rows(Lse (&state)[kRows]) {
 #pragma unroll
     for (int k = 0; k < kRows / 2; ++k) {
       if (k >= half) continue;
-      const Lse send = upper ? state[k] : state[k + half];
-      Lse keep = upper ? state[k + half] : state[k];
-      const float m = __shfl_xor_sync(0xffffffffu, send.max, half);
-      const float s = __shfl_xor_sync(0xffffffffu, send.sum, half);
-      keep.merge({m, s});
+      const State send = upper ? state[k] : state[k + half];
+      State keep = upper ? state[k + half] : state[k];
+      keep.merge(shuffle_xor(send, half));
       state[k] = keep;
     }
   }
-  Lse total = state[0];
+  State total = state[0];
 #pragma unroll
-  for (int offset = kRows; offset < 32; offset *= 2) {
-    const float m = __shfl_xor_sync(0xffffffffu, total.max, offset);
-    const float s = __shfl_xor_sync(0xffffffffu, total.sum, offset);
-    total.merge({m, s});
-  }
+  for (int offset = kRows; offset < 32; offset *= 2) total.merge(shuffle_xor(total, offset));
   return total;
 }
 
