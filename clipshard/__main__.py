@@ -1,0 +1,6 @@
+"""`python -m clipshard`: the environment report and kernel self-check (clipshard/diagnostics)."""
+import sys
+
+from clipshard.diagnostics.self_check import main
+
+sys.exit(main())
