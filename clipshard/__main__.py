@@ -3,4 +3,5 @@ import sys
 
 from clipshard.diagnostics.self_check import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())
