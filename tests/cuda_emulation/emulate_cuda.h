@@ -24,6 +24,32 @@ struct alignas(16) uint4 {
 };
 inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
 
+// 16- and 8-byte vector types. Every copy through one (a vector load or store of a kernel) is
+// counted in g_vector_accesses, so that a harness can tell which path a kernel took.
+inline long long g_vector_accesses = 0;
+struct alignas(16) float4 {
+  float x, y, z, w;
+  float4(float a, float b, float c, float d) : x(a), y(b), z(c), w(d) {}
+  float4(const float4& o) : x(o.x), y(o.y), z(o.z), w(o.w) { ++g_vector_accesses; }
+  float4& operator=(const float4& o) {
+    x = o.x, y = o.y, z = o.z, w = o.w;
+    ++g_vector_accesses;
+    return *this;
+  }
+};
+inline float4 make_float4(float x, float y, float z, float w) { return float4(x, y, z, w); }
+struct alignas(8) uint2 {
+  uint32_t x, y;
+  uint2(uint32_t a, uint32_t b) : x(a), y(b) {}
+  uint2(const uint2& o) : x(o.x), y(o.y) { ++g_vector_accesses; }
+  uint2& operator=(const uint2& o) {
+    x = o.x, y = o.y;
+    ++g_vector_accesses;
+    return *this;
+  }
+};
+inline uint2 make_uint2(uint32_t x, uint32_t y) { return uint2(x, y); }
+
 struct dim3 {
   unsigned x = 0, y = 0, z = 0;
 };
@@ -87,4 +113,17 @@ void emulate_launch(Kernel kernel, dim3 grid, unsigned block, const Params& para
 template <typename Kernel, typename Params>
 void emulate_launch(Kernel kernel, unsigned grid, unsigned block, const Params& params) {
   emulate_launch(kernel, dim3{grid, 1, 1}, block, params);
+}
+
+// kernel<<<grid, block>>> for a kernel without barriers or shuffles (body() runs the kernel with its
+// arguments): the threads run one after another on this thread.
+template <typename Body>
+void emulate_launch_sequential(unsigned grid, unsigned block, Body body) {
+  gridDim = dim3{grid, 1, 1};
+  for (unsigned bx = 0; bx < grid; ++bx)
+    for (unsigned t = 0; t < block; ++t) {
+      blockIdx.x = bx;
+      threadIdx.x = t;
+      body();
+    }
 }
