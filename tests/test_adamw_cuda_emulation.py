@@ -9,9 +9,6 @@ and without stochastic rounding. The emulated float4 / uint2 count the vector ac
 group of 4 takes the vector path (4 loads, 3 stores), whatever the shard's index base. A copy of the
 kernel with a deliberate bug (each group's words from one Philox block) fails, so the comparison
 can fail. Speed and the real memory system are left to tests/test_optim_cuda.py on a GPU."""
-import os
-import pathlib
-import shutil
 import subprocess
 
 import numpy as np
@@ -19,41 +16,19 @@ import pytest
 import torch
 
 import clipshard  # noqa: F401  (registers torch.ops.clipshard.*)
+from emulation_utils import HARNESSES, build_real_and_broken
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-HARNESS = ROOT / "tests" / "cuda_emulation" / "emulate_adamw.cpp"
-KERNEL = ROOT / "csrc" / "cuda" / "adamw_kernels.cuh"
+HARNESS = HARNESSES / "emulate_adamw.cpp"
 STORAGE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 HYPER = dict(lr=2e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
 SEED, OFFSET = 0x5EED_0123_4567, 3
 
 
-def _compile(out, kernel_dir=None):
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
-    if compiler is None:
-        pytest.skip("no C++ compiler (set CXX)")
-    includes = ([f"-I{kernel_dir}"] if kernel_dir else []) + [
-        f"-I{ROOT / 'csrc' / 'cuda'}", f"-I{ROOT / 'csrc' / 'include'}", f"-I{HARNESS.parent}"]
-    return subprocess.Popen([compiler, "-std=c++20", "-O1", "-pthread", "-Wno-unknown-pragmas", *includes,
-                             str(HARNESS), "-o", str(out)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-
-
 @pytest.fixture(scope="module")
 def harnesses(tmp_path_factory):
-    """The harness with the real kernel and with the broken copy, compiled side by side."""
-    tmp = tmp_path_factory.mktemp("adamw_emulation")
-    broken_dir = tmp / "broken"
-    broken_dir.mkdir()
-    source = KERNEL.read_text()
-    right = "out[l] = k < 4 ? low.w[k] : high.w[k - 4];"
-    assert right in source
-    (broken_dir / KERNEL.name).write_text(source.replace(right, "out[l] = low.w[k & 3];"))
-    builds = {"real": _compile(tmp / "real"), "broken": _compile(tmp / "broken_exe", broken_dir)}
-    for name, build in builds.items():
-        log = build.communicate(timeout=600)[0]
-        assert build.returncode == 0, f"{name} emulation build failed:\n{log[-4000:]}"
-    return tmp / "real", tmp / "broken_exe"
+    """The harness with the real kernel and with a broken copy (each group's words from one Philox block)."""
+    return build_real_and_broken(tmp_path_factory.mktemp("adamw_emulation"), HARNESS, "adamw_kernels.cuh",
+                                 "out[l] = k < 4 ? low.w[k] : high.w[k - 4];", "out[l] = low.w[k & 3];")
 
 
 def _tensors(numel, param_dtype, state_dtype, generator, specials):

@@ -85,7 +85,7 @@ inline float __shfl_down_sync(unsigned, float v, unsigned offset) {
   return emulated_shuffle(v, static_cast<int>(threadIdx.x % 32 + offset));
 }
 
-inline thread_local dim3 gridDim;
+inline thread_local dim3 gridDim, blockDim;
 
 // kernel<<<grid, block>>>(params) for a 2-D grid, blocks one after another.
 template <typename Kernel, typename Params>
@@ -120,6 +120,7 @@ void emulate_launch(Kernel kernel, unsigned grid, unsigned block, const Params& 
 template <typename Body>
 void emulate_launch_sequential(unsigned grid, unsigned block, Body body) {
   gridDim = dim3{grid, 1, 1};
+  blockDim = dim3{block, 1, 1};
   for (unsigned bx = 0; bx < grid; ++bx)
     for (unsigned t = 0; t < block; ++t) {
       blockIdx.x = bx;
