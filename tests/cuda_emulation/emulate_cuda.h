@@ -87,26 +87,28 @@ inline float __shfl_down_sync(unsigned, float v, unsigned offset) {
 
 inline thread_local dim3 gridDim, blockDim;
 
-// kernel<<<grid, block>>>(params) for a 2-D grid, blocks one after another.
+// kernel<<<grid, block>>>(params) for a 2-D grid, blocks one after another: `block` threads, created
+// once per launch, run every block in turn and meet at a barrier after each.
 template <typename Kernel, typename Params>
 void emulate_launch(Kernel kernel, dim3 grid, unsigned block, const Params& params) {
-  for (unsigned by = 0; by < grid.y; ++by)
-    for (unsigned bx = 0; bx < grid.x; ++bx) {
-      std::barrier<> barrier(block);
-      auto state = std::make_unique<EmulatedBlock>();
-      state->barrier = &barrier;
-      g_block = state.get();
-      std::vector<std::thread> threads;
-      for (unsigned t = 0; t < block; ++t)
-        threads.emplace_back([&, t, bx, by] {
-          threadIdx.x = t;
+  std::barrier<> barrier(block);
+  auto state = std::make_unique<EmulatedBlock>();
+  state->barrier = &barrier;
+  g_block = state.get();
+  std::vector<std::thread> threads;
+  for (unsigned t = 0; t < block; ++t)
+    threads.emplace_back([&, t] {
+      threadIdx.x = t;
+      gridDim = grid;
+      for (unsigned by = 0; by < grid.y; ++by)
+        for (unsigned bx = 0; bx < grid.x; ++bx) {
           blockIdx.x = bx;
           blockIdx.y = by;
-          gridDim = grid;
           kernel(params);
-        });
-      for (auto& thread : threads) thread.join();
-    }
+          barrier.arrive_and_wait();  // the block is done before the next one starts
+        }
+    });
+  for (auto& thread : threads) thread.join();
 }
 
 // kernel<<<grid, block>>>(params) for a 1-D grid.
