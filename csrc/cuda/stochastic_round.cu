@@ -15,7 +15,7 @@
 namespace clipshard {
 namespace {
 
-using namespace stochastic_round_cuda;
+using namespace stochastic_round_kernels;
 
 template <bool kBf16, bool kSaturate>
 void launch(const uint32_t* src, uint16_t* dst, int64_t n, uint64_t seed, uint64_t offset) {

@@ -10,7 +10,7 @@
 #include "clipshard/stochastic_rounding.h"
 
 namespace clipshard {
-namespace stochastic_round_cuda {
+namespace stochastic_round_kernels {
 
 constexpr int kThreads = 256;
 
@@ -70,5 +70,5 @@ __global__ void round_scalar_kernel(const uint32_t* __restrict__ src, uint16_t* 
   }
 }
 
-}  // namespace stochastic_round_cuda
+}  // namespace stochastic_round_kernels
 }  // namespace clipshard

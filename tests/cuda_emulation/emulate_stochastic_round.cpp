@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-namespace k = clipshard::stochastic_round_cuda;
+namespace k = clipshard::stochastic_round_kernels;
 
 template <bool kBf16, bool kSaturate>
 void run(const uint32_t* src, uint16_t* dst, int64_t n, uint64_t seed, uint64_t offset, bool vectorized,
