@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one GPU check: on a CUDA machine, build clipshard from source against the machine's torch,
-# run every CUDA test, run the CUDA benchmarks, and print a summary (also when killed).
+# run the users' self-check (python -m clipshard) first, then every CUDA test and the CUDA
+# benchmarks, and print a summary (also when killed).
 # Usage: benchmarks/gpu_check.sh [LOG_DIR]   (or GPU_CHECK_LOGS=DIR; default ./gpu_logs)
 # Budget: 8 minutes on one H200 with 16 cores (GPU_CHECK_BUDGET_S); every step has its own
 # timeout, clipped to what is left, from the per-step estimates in docs/gpu_check.md (which says
@@ -81,6 +82,15 @@ ok = torch.ops.clipshard._addmm_accepts_fp32_accumulator(torch.device('cuda'), t
 print(f'torch {torch.__version__}: addmm.dtype_out with an fp32 accumulator on CUDA is',
       'accepted (no fp32 M x D buffer)' if ok else 'refused (fp32 M x D buffer path)')" 2>&1 | tail -n 1)"
 
+step "self-check (python -m clipshard: what a user runs first)"
+if run_step 20 "$LOG_DIR/self_check.txt" "$PY" -m clipshard; then
+  record "self-check: $(tail -n 1 "$LOG_DIR/self_check.txt")"
+else
+  cat "$LOG_DIR/self_check.txt"
+  record "SELF-CHECK FAILED: $(grep -m1 "^FAILED" "$LOG_DIR/self_check.txt" || tail -n 1 "$LOG_DIR/self_check.txt")"
+  status=1
+fi
+
 step "CUDA tests"
 if "$PY" -c "import pytest" 2>/dev/null; then
   run_step 160 "$LOG_DIR/cuda_tests.log" "$PY" -m pytest -q -m cuda -p no:cacheprovider tests || status=1
@@ -93,9 +103,9 @@ fi
 step "benchmarks (CUDA)"
 # name and time limit; the rank simulation is the headline (M = 8192 vs K = 65536, D = 768, bf16).
 # Limits: about 1.5-3x the per-step estimates of docs/gpu_check.md. With the checks before the
-# build (~15 s) and the addmm probe (~5 s): 15 + build 140 + 5 + tests 160 + benchmarks (35 + 30
-# + 60 + 20 + 15 = 160) = 480 s, the budget.
-for entry in bench_rank_sim:35 bench_siglip:30 bench_loss:60 bench_optim:20 bench_stochastic_round:15; do
+# build (~15 s), the addmm probe (~5 s) and the self-check (20 s): 15 + build 140 + 5 + 20 + tests
+# 160 + benchmarks (35 + 25 + 45 + 20 + 15 = 140) = 480 s, the budget.
+for entry in bench_rank_sim:35 bench_siglip:25 bench_loss:45 bench_optim:20 bench_stochastic_round:15; do
   name=${entry%%:*} limit=${entry##*:}
   [ -f "benchmarks/$name.py" ] || continue
   if run_step "$limit" "$LOG_DIR/$name.txt" "$PY" "benchmarks/$name.py" --device cuda --json "$LOG_DIR/$name.json"; then

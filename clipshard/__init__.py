@@ -14,14 +14,17 @@ from clipshard.siglip import SigLipLoss, siglip_loss
 from clipshard.ops.siglip_sum import siglip_sum
 
 __version__ = "0.1.0"
-__all__ = ["ClipLoss", "GradCache", "SigLipLoss", "apply_to_open_clip", "apply_to_transformers", "clip_loss", "contrastive_lse",
-           "optim", "siglip_loss", "siglip_sum", "stochastic_round", "stochastic_round_",
+__all__ = ["ClipLoss", "GradCache", "SigLipLoss", "apply_to_open_clip", "apply_to_transformers", "clip_loss",
+           "contrastive_lse", "optim", "self_check", "siglip_loss", "siglip_sum", "stochastic_round", "stochastic_round_",
            "text_tower_to_half_precision_"]
 
 
 def __getattr__(name):
-    """text_tower_to_half_precision_ needs open_clip, so it is imported on first use."""
+    """text_tower_to_half_precision_ needs open_clip and self_check numpy, so they are imported on first use."""
     if name == "text_tower_to_half_precision_":
         from clipshard.integrations.open_clip_text_tower import text_tower_to_half_precision_
         return text_tower_to_half_precision_
+    if name == "self_check":
+        from clipshard.diagnostics import self_check
+        return self_check
     raise AttributeError(f"module 'clipshard' has no attribute {name!r}")

@@ -280,3 +280,34 @@ def stall_regression(param_dtype, stochastic_rounding, steps=400, lr=1e-3, devic
         loss.backward()
         opt.step()
     return losses, w.detach()
+
+
+def adamw_step_fp32_reference(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay,
+                              maximize=False):
+    """The kernels' fp32 AdamW update (clipshard/adamw.h) in numpy float32, one IEEE-rounded operation
+    at a time in the kernels' order, so that it gives their exact bits before storage rounding. Takes
+    and returns decoded fp32 values (the second moment as v) as numpy arrays."""
+    f = np.float32
+    p, g, m, v = (np.asarray(t, dtype=f) for t in (param, grad, exp_avg, exp_avg_sq))
+    decay, one_minus_beta1 = f(1.0 - lr * weight_decay), f(1.0 - beta1)
+    neg_step_size, bc2_sqrt = f(-(lr / (1.0 - beta1 ** step))), f((1.0 - beta2 ** step) ** 0.5)
+    if maximize:
+        g = -g
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        p = p * decay
+        m = m + one_minus_beta1 * (g - m)
+        v = v * f(beta2) + (f(1.0 - beta2) * g) * g
+        p = p + (neg_step_size * m) / (np.sqrt(v) / bc2_sqrt + f(eps))
+    return p, m, v
+
+
+def philox_words_at(seed: int, offset: int, stream: int, indices) -> np.ndarray:
+    """The random word of each element index of Philox stream `stream` (clipshard/adamw.h): word
+    i % 4 of Philox(key=seed, counter=(stream * 2^40 + i // 4, offset))."""
+    seed, offset = seed % (1 << 64), offset % (1 << 64)
+    i = np.asarray(indices, dtype=np.uint64)
+    blocks = (np.uint64(stream) << np.uint64(40)) + (i >> np.uint64(2))
+    counter = np.stack([blocks & np.uint64(_MASK32), blocks >> np.uint64(32),
+                        np.full_like(blocks, offset & _MASK32), np.full_like(blocks, offset >> 32)], axis=1)
+    words = philox4x32_10(counter, (seed & _MASK32, seed >> 32))
+    return words[np.arange(len(i)), (i & np.uint64(3)).astype(np.int64)]

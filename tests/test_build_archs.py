@@ -11,16 +11,15 @@ A CPU-only build has nothing to inspect and the test skips, except when FORCE_CU
 sets it): then a build without CUDA code is a failure, never a skip."""
 import glob
 import os
-import re
 import shutil
 import site
-import subprocess
 import sys
 
 import pytest
 import torch
 
 import clipshard._C
+from clipshard.diagnostics.environment import listed_archs  # what `python -m clipshard` reports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 REQUIRED_SASS = {80, 90, 100, 120}  # Ampere, Hopper, datacenter Blackwell, consumer Blackwell
@@ -55,13 +54,6 @@ def skip_or_fail(reason):
     if FORCED:
         pytest.fail(f"FORCE_CUDA=1 but {reason}")
     pytest.skip(reason)
-
-
-def listed_archs(cuobjdump, flag):
-    """sm numbers of the cubins (--list-elf) or PTX (--list-ptx) in the extension, one per entry."""
-    out = subprocess.run([cuobjdump, flag, clipshard._C.__file__], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, f"cuobjdump {flag} failed: {out.stdout[-2000:]}{out.stderr[-2000:]}"
-    return [int(m) for m in re.findall(r"\.sm_(\d+)a?\.(?:cubin|ptx)\s*$", out.stdout, re.MULTILINE)]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,9 @@ operations only, which runs on every device torch supports. "auto" picks the op'
 when the tensors' device type has one AND the extension registered it with torch's dispatcher
 (a CUDA machine whose extension was built CPU-only, or a ROCm build, which torch reports as
 "cuda" but for which setup.py compiles no GPU kernels, has none), and "torch" everywhere else
-(ROCm, XPU, MPS, any future device), saying so once per device type with a warning.
+(ROCm, XPU, MPS, any future device), saying so once per device type with a warning. The compiled
+CUDA kernels take fp32, fp16 and bf16 only: fp64 tensors on CUDA (torch.autograd.gradcheck) run
+"torch" too, with a warning once.
 
 The environment variable CLIPSHARD_ALGORITHM=torch makes every "auto" pick "torch", so that a
 user can fall back from a compiled kernel inside a trainer whose code they do not control. An
@@ -24,10 +26,12 @@ _COMPILED = {
     "contrastive_lse": ("clipshard::contrastive_lse_forward", {"cpu": "fused", "cuda": "chunked"}),
     "siglip_sum": ("clipshard::siglip_forward", {"cpu": "chunked", "cuda": "chunked"}),
 }
+# The dtypes the compiled kernels of a device type take (every op alike); absent: all four.
+_COMPILED_DTYPES = {"cuda": (torch.float32, torch.float16, torch.bfloat16)}
 # The dispatch key of each device type that can have a compiled kernel.
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
 
-_warned_device_types = set()
+_warned_device_types = set()  # device types, and (device type, dtype) pairs, already warned about
 
 
 def has_compiled_kernel(operator, device_type):
@@ -45,14 +49,14 @@ def _forced():
     return value == "torch"
 
 
-def _warn_torch_path(device_type):
-    if device_type in _warned_device_types:
+def _warn_once(key, reason):
+    if key in _warned_device_types:
         return
-    _warned_device_types.add(device_type)
+    _warned_device_types.add(key)
     warnings.warn(
-        f"clipshard: no compiled clipshard kernel is registered for {device_type!r} tensors, so the losses run "
-        "algorithm='torch', the portable PyTorch implementation (same results and memory bound, slower than a "
-        "compiled kernel). Pass algorithm='torch' to choose it explicitly; see docs/portable.md.",
+        f"clipshard: {reason}, so the losses run algorithm='torch', the portable PyTorch implementation (same "
+        "results and memory bound, slower than a compiled kernel). Pass algorithm='torch' to choose it "
+        "explicitly; see docs/portable.md.",
         stacklevel=4)
 
 
@@ -62,23 +66,36 @@ def check_algorithm(fn, algorithm, names):
         raise ValueError(f"{fn}: algorithm must be one of {', '.join(map(repr, names))}, got {algorithm!r}")
 
 
-def resolve(op, algorithm, device, names):
-    """The algorithm that runs op ("contrastive_lse" or "siglip_sum") on `device` when asked for
-    `algorithm` (one of `names`); "auto" follows the module docstring's rule."""
+def resolve(op, algorithm, device, names, dtype=None):
+    """The algorithm that runs op ("contrastive_lse" or "siglip_sum") on `device` for inputs of
+    `dtype` when asked for `algorithm` (one of `names`); "auto" follows the module docstring's rule."""
     check_algorithm(op, algorithm, names)
     if algorithm != "auto":
         return algorithm
-    return _auto(op, torch.device(device).type)
+    return _auto(op, torch.device(device).type, dtype)
+
+
+def explain_auto(op, device_type, dtype=None):
+    """(algorithm, reason, warning key or None): what "auto" picks for op on `device_type` tensors of
+    `dtype` (None: any dtype the kernels take) and why; a key when the pick deserves a warning."""
+    if _forced():
+        return "torch", f"{ENV_VAR}=torch is set", None
+    operator, compiled = _COMPILED[op]
+    if device_type not in compiled or not has_compiled_kernel(operator, device_type):
+        return "torch", f"no compiled clipshard kernel is registered for {device_type!r} tensors", device_type
+    supported = _COMPILED_DTYPES.get(device_type)
+    if dtype is not None and supported is not None and dtype not in supported:
+        names = ", ".join(str(d).removeprefix("torch.") for d in supported)
+        return ("torch", f"the compiled {device_type!r} kernels take {names}, not {str(dtype).removeprefix('torch.')}",
+                (device_type, dtype))
+    return compiled[device_type], f"the extension registered the {compiled[device_type]!r} kernel", None
 
 
 # torch.compile evaluates this once while tracing: the dispatcher query cannot be traced, and the
 # choice (and its warning) belongs to the trace, not to the compiled graph.
 @torch.compiler.assume_constant_result
-def _auto(op, device_type):
-    if _forced():
-        return "torch"
-    operator, compiled = _COMPILED[op]
-    if device_type in compiled and has_compiled_kernel(operator, device_type):
-        return compiled[device_type]
-    _warn_torch_path(device_type)
-    return "torch"
+def _auto(op, device_type, dtype):
+    algorithm, reason, warning_key = explain_auto(op, device_type, dtype)
+    if warning_key is not None:
+        _warn_once(warning_key, reason)
+    return algorithm

@@ -97,7 +97,7 @@ def siglip_sum(rows, cols, scale, bias=None, pos_offset=0, *, algorithm="auto", 
     scale = check_logit_scalar("siglip_sum", "scale", scale, rows)
     if bias is not None:
         bias = check_logit_scalar("siglip_sum", "bias", bias, rows)
-    algorithm = _algorithm.resolve("siglip_sum", algorithm, rows.device, ALGORITHMS)
+    algorithm = _algorithm.resolve("siglip_sum", algorithm, rows.device, ALGORITHMS, rows.dtype)
     budget = _workspace.workspace_bytes("siglip_sum", rows.device, workspace_bytes)
     inputs = (rows, cols, scale) + ((bias,) if bias is not None else ())
     with_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
@@ -112,7 +112,7 @@ def siglip_block(rows, cols, scale, bias, pos_offset, with_grad, *, algorithm="a
     the gradients of the sum for a unit upstream gradient in siglip_forward's dtypes (unused ones
     empty or None). Arguments as siglip_sum's, scale and bias already 0-dim tensors, checked by the
     caller; pos_offset None for a block without positives."""
-    algorithm = _algorithm.resolve("siglip_sum", algorithm, rows.device, ALGORITHMS)
+    algorithm = _algorithm.resolve("siglip_sum", algorithm, rows.device, ALGORITHMS, rows.dtype)
     budget = _workspace.workspace_bytes("siglip_sum", rows.device, workspace_bytes)
     with torch.no_grad():
         if algorithm == "torch":

@@ -32,21 +32,30 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // The GPU check benchmarks both; making the faster one the default is this one line.
 constexpr int kDefaultForwardRows = k::kForwardRowsWide;
 
+// The grid's y dimension (row blocks) is at most 65535.
+constexpr int64_t kMaxRowBlocks = 65535;
+
 // kDefaultForwardRows, unless CLIPSHARD_CHUNKED_FORWARD_ROWS is "16" or "32" (a benchmark knob,
-// read at every call so that one process can time both variants).
-int forward_rows_per_cta() {
+// read at every call so that one process can time both variants). Past the 16-row variant's
+// 65535 * 16 rows the 32-row variant runs, so that the forward takes every M the backward takes
+// (65535 * kRowsPerCta = 2,097,120 rows).
+int forward_rows_per_cta(int64_t M) {
+  static_assert(k::kForwardRowsWide == k::kRowsPerCta, "forward and backward row limits agree");
   const char* env = std::getenv("CLIPSHARD_CHUNKED_FORWARD_ROWS");
-  if (env == nullptr || *env == '\0') return kDefaultForwardRows;
-  if (std::strcmp(env, "16") == 0) return k::kForwardRowsNarrow;
-  if (std::strcmp(env, "32") == 0) return k::kForwardRowsWide;
-  TORCH_CHECK(false, "contrastive_lse_forward: CLIPSHARD_CHUNKED_FORWARD_ROWS must be 16 or 32, got \"", env, "\"");
+  int rows = kDefaultForwardRows;
+  if (env != nullptr && *env != '\0') {
+    TORCH_CHECK(std::strcmp(env, "16") == 0 || std::strcmp(env, "32") == 0,
+                "contrastive_lse_forward: CLIPSHARD_CHUNKED_FORWARD_ROWS must be 16 or 32, got \"", env, "\"");
+    rows = std::strcmp(env, "16") == 0 ? k::kForwardRowsNarrow : k::kForwardRowsWide;
+  }
+  return M > kMaxRowBlocks * rows ? k::kForwardRowsWide : rows;
 }
 
 // Row blocks of rows_per_cta rows: the grid's y dimension.
 unsigned row_blocks(const char* fn, int64_t M, int rows_per_cta) {
   const int64_t n = ceil_div(M, rows_per_cta);
-  TORCH_CHECK(n <= 65535, fn, ": too many rows (", M, ") for the chunked kernels' grid (at most ",
-              65535 * int64_t(rows_per_cta), ")");
+  TORCH_CHECK(n <= kMaxRowBlocks, fn, ": too many rows (", M, ") for the chunked kernels' grid (at most ",
+              kMaxRowBlocks * rows_per_cta, ")");
   return static_cast<unsigned>(n);
 }
 
@@ -106,7 +115,7 @@ std::tuple<Tensor, Tensor, Tensor> forward_chunked(const Tensor& rows, const Ten
 std::tuple<Tensor, Tensor, Tensor> contrastive_lse_forward_chunked_cuda(
     const Tensor& rows, const Tensor& cols, const Tensor& scale, int64_t pos_offset, bool want_col_lse,
     int64_t workspace_bytes) {
-  if (forward_rows_per_cta() == k::kForwardRowsNarrow)
+  if (forward_rows_per_cta(rows.size(0)) == k::kForwardRowsNarrow)
     return forward_chunked<k::kForwardRowsNarrow>(rows, cols, scale, pos_offset, want_col_lse, workspace_bytes);
   return forward_chunked<k::kForwardRowsWide>(rows, cols, scale, pos_offset, want_col_lse, workspace_bytes);
 }

@@ -24,6 +24,32 @@ struct alignas(16) uint4 {
 };
 inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
 
+// 16- and 8-byte vector types. Every copy through one (a vector load or store of a kernel) is
+// counted in g_vector_accesses, so that a harness can tell which path a kernel took.
+inline long long g_vector_accesses = 0;
+struct alignas(16) float4 {
+  float x, y, z, w;
+  float4(float a, float b, float c, float d) : x(a), y(b), z(c), w(d) {}
+  float4(const float4& o) : x(o.x), y(o.y), z(o.z), w(o.w) { ++g_vector_accesses; }
+  float4& operator=(const float4& o) {
+    x = o.x, y = o.y, z = o.z, w = o.w;
+    ++g_vector_accesses;
+    return *this;
+  }
+};
+inline float4 make_float4(float x, float y, float z, float w) { return float4(x, y, z, w); }
+struct alignas(8) uint2 {
+  uint32_t x, y;
+  uint2(uint32_t a, uint32_t b) : x(a), y(b) {}
+  uint2(const uint2& o) : x(o.x), y(o.y) { ++g_vector_accesses; }
+  uint2& operator=(const uint2& o) {
+    x = o.x, y = o.y;
+    ++g_vector_accesses;
+    return *this;
+  }
+};
+inline uint2 make_uint2(uint32_t x, uint32_t y) { return uint2(x, y); }
+
 struct dim3 {
   unsigned x = 0, y = 0, z = 0;
 };
@@ -59,32 +85,48 @@ inline float __shfl_down_sync(unsigned, float v, unsigned offset) {
   return emulated_shuffle(v, static_cast<int>(threadIdx.x % 32 + offset));
 }
 
-inline thread_local dim3 gridDim;
+inline thread_local dim3 gridDim, blockDim;
 
-// kernel<<<grid, block>>>(params) for a 2-D grid, blocks one after another.
+// kernel<<<grid, block>>>(params) for a 2-D grid, blocks one after another: `block` threads, created
+// once per launch, run every block in turn and meet at a barrier after each.
 template <typename Kernel, typename Params>
 void emulate_launch(Kernel kernel, dim3 grid, unsigned block, const Params& params) {
-  for (unsigned by = 0; by < grid.y; ++by)
-    for (unsigned bx = 0; bx < grid.x; ++bx) {
-      std::barrier<> barrier(block);
-      auto state = std::make_unique<EmulatedBlock>();
-      state->barrier = &barrier;
-      g_block = state.get();
-      std::vector<std::thread> threads;
-      for (unsigned t = 0; t < block; ++t)
-        threads.emplace_back([&, t, bx, by] {
-          threadIdx.x = t;
+  std::barrier<> barrier(block);
+  auto state = std::make_unique<EmulatedBlock>();
+  state->barrier = &barrier;
+  g_block = state.get();
+  std::vector<std::thread> threads;
+  for (unsigned t = 0; t < block; ++t)
+    threads.emplace_back([&, t] {
+      threadIdx.x = t;
+      gridDim = grid;
+      for (unsigned by = 0; by < grid.y; ++by)
+        for (unsigned bx = 0; bx < grid.x; ++bx) {
           blockIdx.x = bx;
           blockIdx.y = by;
-          gridDim = grid;
           kernel(params);
-        });
-      for (auto& thread : threads) thread.join();
-    }
+          barrier.arrive_and_wait();  // the block is done before the next one starts
+        }
+    });
+  for (auto& thread : threads) thread.join();
 }
 
 // kernel<<<grid, block>>>(params) for a 1-D grid.
 template <typename Kernel, typename Params>
 void emulate_launch(Kernel kernel, unsigned grid, unsigned block, const Params& params) {
   emulate_launch(kernel, dim3{grid, 1, 1}, block, params);
+}
+
+// kernel<<<grid, block>>> for a kernel without barriers or shuffles (body() runs the kernel with its
+// arguments): the threads run one after another on this thread.
+template <typename Body>
+void emulate_launch_sequential(unsigned grid, unsigned block, Body body) {
+  gridDim = dim3{grid, 1, 1};
+  blockDim = dim3{block, 1, 1};
+  for (unsigned bx = 0; bx < grid; ++bx)
+    for (unsigned t = 0; t < block; ++t) {
+      blockIdx.x = bx;
+      threadIdx.x = t;
+      body();
+    }
 }

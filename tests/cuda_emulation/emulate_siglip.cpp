@@ -1,8 +1,9 @@
 // Runs the CUDA kernel of csrc/cuda/siglip_kernels.cuh on the host through emulate_cuda.h and
 // compares it with a double-precision reference of the same maths: the loss-only pass and the
-// gradient pass with fp32, fp16 (prescaled) and bf16 logit gradients, over several column chunks.
+// gradient pass with fp32, fp16 (prescaled) and bf16 logit gradients, over several column chunks,
+// with positives and without (a block of the SigLIP ring from another rank).
 // Build: g++ -std=c++20 -O1 -pthread -I<repo>/csrc/cuda -I<repo>/csrc/include -I<torch>/include emulate_siglip.cpp
-// Prints one line per case and exits non-zero on any mismatch.
+// Prints one line per case and exits non-zero on any mismatch. Usage: emulate_siglip [CASE INDEX]
 #include "emulate_cuda.h"
 // The kernel, compiled as host code:
 #include "fp16_prescale.cuh"
@@ -13,11 +14,17 @@
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <iterator>
+#include <limits>
 #include <random>
 #include <type_traits>
 #include <vector>
 
 namespace k = clipshard::siglip_cuda;
+
+// pos_offset of a block without positives, as csrc/siglip_args.h passes it to the kernel.
+constexpr int64_t kNoPositives = std::numeric_limits<int64_t>::min() / 2;
 
 struct Case {
   int64_t M, K, width, pos_offset;  // columns processed in chunks of `width`
@@ -95,13 +102,14 @@ static bool run_case(const Case& c, std::mt19937& gen) {
     }
     if (!ok) return false;
   }
-  std::printf("ok %s %s M=%lld K=%lld width=%lld scale=%g bias=%s nan=%d\n", kGrad ? "grad" : "loss", name<DL>(),
+  std::printf("ok %s %s M=%lld K=%lld width=%lld scale=%g bias=%s nan=%d%s\n", kGrad ? "grad" : "loss", name<DL>(),
               static_cast<long long>(M), static_cast<long long>(K), static_cast<long long>(c.width), c.scale,
-              c.has_bias ? "yes" : "no", c.nan_dot ? 1 : 0);
+              c.has_bias ? "yes" : "no", c.nan_dot ? 1 : 0, c.pos_offset == kNoPositives ? " no-positives" : "");
   return ok;
 }
 
-int main() {
+// Without arguments every case runs; with one, only the case of that index.
+int main(int argc, char** argv) {
   std::mt19937 gen(1234);
   // M, K, width, pos_offset, scale, bias, prescale, has_bias, nan_dot
   const Case cases[] = {
@@ -109,9 +117,12 @@ int main() {
       {3, 300, 300, 0, 100.f, 20.f, 1.f, true, false},     // one chunk wider than the CTA, extreme logits
       {7, 257, 128, 250, 1.f, 0.f, 1.f, false, false},     // positives in the last, one-column-wide chunk
       {4, 513, 512, 100, 30.f, -5.f, 1.f, true, true},     // a NaN similarity: row 1 all NaN
+      {3, 300, 128, kNoPositives, 10.f, -10.f, 1.f, true, false},  // no positives: every pair a negative
   };
   bool ok = true;
-  for (const Case& c : cases) {
+  for (int n = 0; n < static_cast<int>(std::size(cases)); ++n) {
+    if (argc > 1 && n != std::atoi(argv[1])) continue;
+    const Case& c = cases[n];
     ok &= run_case<float, false>(c, gen);
     ok &= run_case<float, true>(c, gen);
     ok &= run_case<c10::BFloat16, true>(c, gen);

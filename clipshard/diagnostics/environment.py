@@ -1,0 +1,138 @@
+"""The environment report of `python -m clipshard`: versions, how the extension was built (and for
+which GPU architectures, read from the library itself), the visible devices, what
+algorithm="auto" picks on each device type and why, and the CLIPSHARD_* variables."""
+import glob
+import os
+import platform
+import re
+import shutil
+import site
+import subprocess
+
+import torch
+
+import clipshard
+from clipshard import _C
+from clipshard.ops import _algorithm
+
+# The environment variables that change what clipshard does, and what each one does.
+VARIABLES = {
+    "CLIPSHARD_ALGORITHM": "'torch' makes every algorithm='auto' run the portable torch path",
+    "CLIPSHARD_CHUNKED_FORWARD_ROWS": "rows per CTA of the CUDA chunked forward kernel (16 or 32)",
+    "CLIPSHARD_ADDMM_FP32_ACCUMULATOR": "'0' makes the chunked backward of 16-bit features use an fp32 buffer",
+}
+
+
+def has_cuda_kernels():
+    return _algorithm.has_compiled_kernel("clipshard::contrastive_lse_forward", "cuda")
+
+
+def find_cuobjdump():
+    """The nvidia-cuda-cuobjdump wheel's binary, else the CUDA toolkit's (CUDA_HOME, CUDA_PATH, the
+    usual folder), else one on PATH; None when there is none."""
+    for base in site.getsitepackages() + [site.getusersitepackages()]:
+        found = sorted(glob.glob(os.path.join(base, "nvidia", "*", "bin", "cuobjdump")))
+        if found:
+            return found[0]
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and os.path.isfile(os.path.join(home, "bin", "cuobjdump")):
+            return os.path.join(home, "bin", "cuobjdump")
+    return shutil.which("cuobjdump")
+
+
+def listed_archs(cuobjdump, flag, library=None):
+    """sm numbers of the cubins (--list-elf) or PTX (--list-ptx) in the extension, one per entry."""
+    out = subprocess.run([cuobjdump, flag, library or _C.__file__], capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise RuntimeError(f"cuobjdump {flag} failed: {out.stdout[-2000:]}{out.stderr[-2000:]}")
+    return [int(m) for m in re.findall(r"\.sm_(\d+)a?\.(?:cubin|ptx)\s*$", out.stdout, re.MULTILINE)]
+
+
+def build_report():
+    """How the extension was built: "CPU only" or "CUDA", and for CUDA the architectures of its
+    cubins and PTX (or why they could not be read)."""
+    if not has_cuda_kernels():
+        return {"kind": "CPU only (no CUDA kernels compiled)", "library": _C.__file__}
+    report = {"kind": "CUDA", "library": _C.__file__}
+    cuobjdump = find_cuobjdump()
+    if cuobjdump is None:
+        report["archs"] = "unknown: no cuobjdump here (pip install nvidia-cuda-cuobjdump to list them)"
+        return report
+    try:
+        cubins, ptx = listed_archs(cuobjdump, "--list-elf"), listed_archs(cuobjdump, "--list-ptx")
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as error:
+        report["archs"] = f"unknown: {error}"
+        return report
+    report["cubins"] = [f"sm_{a}" for a in sorted(set(cubins))]
+    report["ptx"] = [f"compute_{a}" for a in sorted(set(ptx))]
+    return report
+
+
+def devices():
+    """Every visible device: the CPU, then each CUDA (or ROCm) device."""
+    found = [{"device": "cpu", "name": platform.processor() or platform.machine(), "arch": platform.machine()}]
+    if torch.cuda.is_available():
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            arch = getattr(props, "gcnArchName", None) if torch.version.hip else f"sm_{props.major}{props.minor}"
+            found.append({"device": f"cuda:{index}", "name": props.name, "arch": arch,
+                          "memory_gib": round(props.total_memory / 2**30, 1), "sms": props.multi_processor_count})
+    return found
+
+
+def auto_choices(device_types):
+    """Per device type and op: what algorithm="auto" picks for fp32 inputs (and fp64, when that
+    differs) and why."""
+    choices = []
+    for device_type in device_types:
+        for op in ("contrastive_lse", "siglip_sum"):
+            for dtype in (torch.float32, torch.float64):
+                algorithm, reason, _ = _algorithm.explain_auto(op, device_type, dtype)
+                if dtype == torch.float64 and choices and choices[-1]["algorithm"] == algorithm:
+                    continue
+                choices.append({"device_type": device_type, "op": op, "dtype": str(dtype).removeprefix("torch."),
+                                "algorithm": algorithm, "reason": reason})
+    return choices
+
+
+def environment_report():
+    visible = devices()
+    device_types = ["cpu"] + (["cuda"] if len(visible) > 1 else [])
+    return {
+        "clipshard": clipshard.__version__,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "rocm": torch.version.hip,
+        "python": platform.python_version(),
+        "build": build_report(),
+        "devices": visible,
+        "no_gpu_visible": len(visible) == 1,
+        "auto": auto_choices(device_types),
+        "variables": {name: os.environ.get(name) for name in sorted(set(VARIABLES) | {
+            n for n in os.environ if n.startswith("CLIPSHARD_")})},
+    }
+
+
+def format_environment(report):
+    build = report["build"]
+    lines = [f"clipshard {report['clipshard']}, torch {report['torch']} (CUDA {report['cuda']}, "
+             f"ROCm {report['rocm']}), Python {report['python']}",
+             f"extension: {build['kind']}: {build['library']}"]
+    if "cubins" in build:
+        lines.append(f"  compiled for {', '.join(build['cubins']) or 'no cubin'}; PTX {', '.join(build['ptx']) or 'none'}")
+    elif "archs" in build:
+        lines.append(f"  architectures: {build['archs']}")
+    lines.append("devices:")
+    for d in report["devices"]:
+        extra = f", {d['memory_gib']} GiB, {d['sms']} SMs" if "sms" in d else ""
+        lines.append(f"  {d['device']}: {d['name']} ({d['arch']}{extra})")
+    if report["no_gpu_visible"]:
+        lines.append("  no GPU is visible: only the CPU kernels are checked")
+    lines.append('algorithm="auto" picks:')
+    for c in report["auto"]:
+        lines.append(f"  {c['device_type']} {c['op']} {c['dtype']}: {c['algorithm']} ({c['reason']})")
+    lines.append("environment variables:")
+    for name, value in report["variables"].items():
+        meaning = VARIABLES.get(name, "not a variable clipshard reads")
+        lines.append(f"  {name}={value if value is not None else '(unset)'}: {meaning}")
+    return lines
