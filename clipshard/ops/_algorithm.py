@@ -1,7 +1,8 @@
 """Which implementation of a loss op runs: the rule behind algorithm="auto" (docs/portable.md).
 
 Each op has compiled kernels for some device types (contrastive_lse: "fused" on the CPU, "chunked"
-on CUDA; siglip_sum: "chunked" on both) and the portable algorithm "torch", written with PyTorch
+on CUDA; siglip_sum: "chunked" on both; distill_lse: "compiled" on both, once its kernels are built)
+and the portable algorithm "torch", written with PyTorch
 operations only, which runs on every device torch supports. "auto" picks the op's compiled kernel
 when the tensors' device type has one AND the extension registered it with torch's dispatcher
 (a CUDA machine whose extension was built CPU-only, or a ROCm build, which torch reports as
@@ -23,6 +24,7 @@ ENV_VAR = "CLIPSHARD_ALGORITHM"
 _COMPILED = {
     "contrastive_lse": ("clipshard::contrastive_lse_forward", {"cpu": "fused", "cuda": "chunked"}),
     "siglip_sum": ("clipshard::siglip_forward", {"cpu": "chunked", "cuda": "chunked"}),
+    "distill_lse": ("clipshard::distill_lse", {"cpu": "compiled", "cuda": "compiled"}),
 }
 # The dispatch key of each device type that can have a compiled kernel.
 _DISPATCH_KEYS = {"cpu": "CPU", "cuda": "CUDA"}
@@ -31,9 +33,16 @@ _warned_device_types = set()
 
 
 def has_compiled_kernel(operator, device_type):
-    """Whether the extension registered a kernel of `operator` for tensors of `device_type`."""
+    """Whether the extension registered a kernel of `operator` for tensors of `device_type` (False
+    when an older build has no schema for it)."""
     key = _DISPATCH_KEYS.get(device_type)
-    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(operator, key)
+    return key is not None and has_schema(operator) and torch._C._dispatch_has_kernel_for_dispatch_key(operator, key)
+
+
+def has_schema(operator):
+    """Whether the loaded extension defines `operator` ("namespace::name") at all."""
+    namespace, name = operator.split("::")
+    return hasattr(getattr(torch.ops, namespace), name)
 
 
 def _forced():
@@ -63,9 +72,12 @@ def check_algorithm(fn, algorithm, names):
 
 
 def resolve(op, algorithm, device, names):
-    """The algorithm that runs op ("contrastive_lse" or "siglip_sum") on `device` when asked for
+    """The algorithm that runs op ("contrastive_lse", "siglip_sum" or "distill_lse") on `device` when asked for
     `algorithm` (one of `names`); "auto" follows the module docstring's rule."""
     check_algorithm(op, algorithm, names)
+    if algorithm == "compiled" and not has_compiled_kernel(_COMPILED[op][0], torch.device(device).type):
+        raise RuntimeError(f"{op}: algorithm='compiled' needs the extension's {op} kernel for "
+                           f"{torch.device(device).type!r} tensors, and this build has none; use 'auto' or 'torch'")
     if algorithm != "auto":
         return algorithm
     return _auto(op, torch.device(device).type)
@@ -80,5 +92,6 @@ def _auto(op, device_type):
     operator, compiled = _COMPILED[op]
     if device_type in compiled and has_compiled_kernel(operator, device_type):
         return compiled[device_type]
-    _warn_torch_path(device_type)
+    if has_schema(operator):  # (an extension built before the op existed has nothing better to offer)
+        _warn_torch_path(device_type)
     return "torch"
