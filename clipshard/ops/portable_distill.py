@@ -57,6 +57,16 @@ def _student_chunks(rows, cols, teacher_rows, buffers, budget):
     return chunks
 
 
+def _softmax_statistics(t, s, dim, in_place):
+    """(logsumexp of t along dim, sum of softmax(t) * s along dim) with one exp pass: e = exp(t - max),
+    then log(sum e) + max and (e . s) / sum e. in_place: t may be overwritten."""
+    high = t.amax(dim=dim, keepdim=True)
+    high = torch.where(torch.isfinite(high), high, torch.zeros_like(high))
+    e = (t.sub_(high) if in_place else t - high).exp_()
+    total = e.sum(dim=dim)
+    return total.log() + high.squeeze(dim), torch.linalg.vecdot(e, s, dim=dim) / total
+
+
 def _merge_rows(lse, cross, chunk_lse, chunk_cross):
     """Running (LSE, softmax-weighted mean) merged with a chunk's: the means are reweighted by
     their share of the merged normaliser."""
@@ -89,16 +99,13 @@ def _forward(rows, cols, teacher_rows, teacher_cols, scale, teacher_scale, pos_o
         for t_index in range(n_teachers):
             t, _ = teachers.logits(t_index, begin, width, t_scale, acc, keep_dots=False)
             if want_columns:
-                t_col = torch.logsumexp(t, dim=0)
+                t_col, cross = _softmax_statistics(t, s, dim=0, in_place=False)
                 teacher_col_lse[t_index].narrow(0, begin, width).copy_(t_col)
-                q = (t - t_col).exp_()
-                col_cross[t_index].narrow(0, begin, width).copy_(torch.linalg.vecdot(q, s, dim=0))
-                del q
-            t_row = torch.logsumexp(t, dim=1)
-            p = t.sub_(t_row.unsqueeze(1)).exp_()  # the chunk's own row softmax
+                col_cross[t_index].narrow(0, begin, width).copy_(cross)
+            t_row, cross = _softmax_statistics(t, s, dim=1, in_place=True)
             teacher_row_lse[t_index], row_cross[t_index] = _merge_rows(
-                teacher_row_lse[t_index], row_cross[t_index], t_row, torch.linalg.vecdot(p, s, dim=1))
-            del t, p
+                teacher_row_lse[t_index], row_cross[t_index], t_row, cross)
+            del t
         del s  # before the next chunk's GEMM allocates its result
     return row_lse, pos_logit, teacher_row_lse, row_cross, col_lse, teacher_col_lse, col_cross
 
