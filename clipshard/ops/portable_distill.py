@@ -157,12 +157,14 @@ def _backward(grads, rows, cols, teacher_rows, teacher_cols, scale, teacher_scal
     row_shift = -row_lse.unsqueeze(1)
     for begin, width in chunks:
         dots = chunks.dots(begin, width)
-        s = dots * s_scale
-        ds = torch.zeros_like(s)
-        if g_row is not None:
-            ds.add_((s + row_shift).exp_().mul_(g_row.unsqueeze(1)))
+        # the student's logits themselves only enter the teachers' gradients
+        s = dots * s_scale if want_teacher else None
+        # exp(s - lse) straight from the dots: one pass each
+        ds = (torch.addcmul(row_shift, dots, s_scale).exp_().mul_(g_row.unsqueeze(1)) if g_row is not None
+              else torch.zeros_like(dots))
         if g_col is not None:
-            ds.add_((s - col_lse.narrow(0, begin, width)).exp_().mul_(g_col.narrow(0, begin, width)))
+            col_shift = -col_lse.narrow(0, begin, width)
+            ds.add_(torch.addcmul(col_shift, dots, s_scale).exp_().mul_(g_col.narrow(0, begin, width)))
         if g_pos is not None:
             first, last, diagonal = chunks.positives(ds, begin, pos_offset)
             diagonal.add_(g_pos.narrow(0, first, last - first))
