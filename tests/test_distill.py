@@ -181,3 +181,29 @@ def test_peak_memory_within_workspace_bound():
     allowance = budget + 4 * m * kc * 3 + vectors
     assert peak <= allowance, (peak, allowance)
     assert peak < 4 * m * k / 2
+
+
+def test_auto_picks_the_compiled_kernel_only_where_registered():
+    """"auto" runs the compiled op where this build registered it for the CPU, else the torch path
+    (same results, no warning: an extension built before the op has nothing better to offer);
+    algorithm="compiled" without a kernel is an error that says so."""
+    from clipshard.ops import _algorithm
+    compiled = _algorithm.has_compiled_kernel("clipshard::distill_lse", "cpu")
+    assert _algorithm.resolve("distill_lse", "auto", torch.device("cpu"), ("auto", "compiled", "torch")) == (
+        "compiled" if compiled else "torch")
+    gen = torch.Generator().manual_seed(11)
+    rows, cols = _unit(gen, 9, 4, dtype=torch.float32), _unit(gen, 20, 4, dtype=torch.float32)
+    teacher = _unit(gen, 1, 20, 3, dtype=torch.float32)
+    args = (rows, cols, teacher[:, :9], teacher, 10.0, torch.tensor([20.0]))
+    torch_path = distill_lse(*args, algorithm="torch")
+    if compiled:
+        for got, want in zip(distill_lse(*args), torch_path):
+            assert _rel(got, want) <= 1e-5
+    else:
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for got, want in zip(distill_lse(*args), torch_path):
+                assert torch.equal(got, want)
+        with pytest.raises(RuntimeError, match="algorithm='compiled' needs the extension's distill_lse kernel"):
+            distill_lse(*args, algorithm="compiled")
