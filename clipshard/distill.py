@@ -89,7 +89,7 @@ class DistillClipLoss(torch.nn.Module):
     all four (local_loss, gather_with_grad) combinations; no logit matrix of the student or of any
     teacher is formed.
 
-    Arguments as clipshard.ClipLoss (mode "exchange" or "local"; the default follows
+    Arguments as clipshard.ClipLoss (mode "exchange", "local" or "ring"; the default follows
     gather_with_grad as there), plus average_after_softmax: for an ensemble of teachers (lists of
     features and scales in forward), the target of each row is the mean of the teachers' softmaxes
     (True, MobileCLIP's ensemble) or the softmax of the mean of their logits (False). algorithm:
@@ -109,8 +109,6 @@ class DistillClipLoss(torch.nn.Module):
         self.local_loss, self.gather_with_grad, self.cache_labels = local_loss, gather_with_grad, cache_labels
         self.rank, self.world_size, self.use_horovod = rank, world_size, use_horovod
         self.mode = _resolve_mode(fn, mode, local_loss, gather_with_grad)
-        if self.mode == "ring":
-            raise ValueError(f"{fn}: mode='ring' is not implemented for the distillation loss yet; use mode='exchange'")
         self.group = group
         check_algorithm(fn, algorithm, ALGORITHMS)
         self.algorithm = algorithm

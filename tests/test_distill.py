@@ -143,8 +143,8 @@ def test_bad_inputs_name_the_argument():
         loss(*student, [images[0], images[1].double()], [texts[0], texts[1].double()], scales)
     with pytest.raises(TypeError, match="dist_logit_scale must be a float or a one-element"):
         loss(*student, images[0], texts[0], torch.ones(2))
-    with pytest.raises(ValueError, match="mode='ring' is not implemented"):
-        clipshard.DistillClipLoss(gather_with_grad=True, mode="ring")
+    with pytest.raises(ValueError, match="mode='ring' cannot reproduce open_clip's"):
+        clipshard.DistillClipLoss(local_loss=True, mode="ring")
     with pytest.raises(ValueError, match="algorithm must be one of 'auto', 'compiled', 'torch'"):
         clipshard.DistillClipLoss(algorithm="fused")
     with pytest.raises(TypeError, match="average_after_softmax must be True or False"):

@@ -1,6 +1,6 @@
 """clipshard.DistillClipLoss over a real 3-rank gloo group: values and gradients against open_clip's
 DistillClipLoss run on the same ranks (equal batches, every (local_loss, gather_with_grad)
-combination, exchange and local modes, different upstream gradients per rank and the same ones),
+combination, exchange, local and ring modes, different upstream gradients per rank and the same ones),
 against the fp64 rank reference for unequal batches and a two-teacher ensemble, and a bad teacher
 on one rank raising on every rank. One group start runs everything (tests/dist_utils.py)."""
 import pytest
@@ -16,11 +16,13 @@ WORLD = 3
 NAMES = ["image", "text", "teacher image", "teacher text", "scale", "teacher scale"]
 # (local_loss, gather_with_grad, mode)
 CONFIGS = [(True, True, None), (True, False, None), (False, True, None), (False, False, None),
-           (False, False, "exchange"), (True, True, "local")]
+           (False, False, "exchange"), (True, True, "local"), (True, True, "ring"), (False, True, "ring"),
+           (False, False, "ring")]
 TOLERANCE = 1e-5  # relative to the largest reference value, fp32
-# The teacher logit scale's gradient sums signed terms that cancel to about 1e-3 of their size:
-# fp32 (ours and open_clip's alike) keeps it to a few 1e-4 relative; it is checked against fp64.
-TEACHER_SCALE_TOLERANCE = 3e-3
+# The teacher logit scale's gradient sums signed terms that cancel to about 1e-3 of their size (or
+# less: 2.6e-4 for the ensemble's second teacher below): fp32 keeps it to 1e-4..6e-3 relative (ours;
+# open_clip's about 2e-4 where it can run). Checked against fp64; the fp64 runs agree to 1e-9.
+TEACHER_SCALE_TOLERANCE = 1e-2
 # The teacher's feature gradients scale P (s - rowCross) by the teacher's logit scale (100), and
 # ours centre s with the forward's rowCross while the backward recomputes P: their fp32 absolute
 # error is about 3e-5 (open_clip's about 1e-6), so they are checked against fp64 with 1e-4 of
@@ -103,7 +105,8 @@ def _rank(rank, world_size):
     t_scales = [torch.tensor(100.0), torch.tensor(60.0)]
     everyone = [[1.0 + 0.5 * q, 0.75 - 0.25 * q] for q in range(world_size)]
     for average_after_softmax in (True, False):
-        for local_loss, gather_with_grad, mode in CONFIGS[:4]:
+        # ring: blocks of 5 and 7 columns against rank 1's 9 rows run transposed
+        for local_loss, gather_with_grad, mode in CONFIGS[:4] + CONFIGS[6:8]:
             loss = clipshard.DistillClipLoss(local_loss, gather_with_grad, rank=rank, world_size=world_size, mode=mode,
                                              algorithm="torch", average_after_softmax=average_after_softmax)
             leaves = [t.detach().float().clone().requires_grad_() for t in
@@ -116,11 +119,11 @@ def _rank(rank, world_size):
                 (image.float(), text.float(), torch.tensor(30.0)),
                 ([t.float() for t in t_images], [t.float() for t in t_texts], t_scales), sizes, everyone, rank,
                 local_loss, gather_with_grad, average_after_softmax)
-            key = f"unequal {average_after_softmax} {local_loss}/{gather_with_grad}"
+            key = f"unequal {average_after_softmax} {local_loss}/{gather_with_grad}/{mode}"
             check(f"{key} losses", torch.stack([contrastive, distill]), want_loss, TOLERANCE)
             got = [leaves[0].grad, leaves[1].grad] + [t.grad for t in teacher_leaves[0] + teacher_leaves[1]]
             got += [leaves[2].grad] + [s.grad for s in scale_leaves]
-            if local_loss:  # exchange mode: the scales' gradients are exact in the sum over ranks
+            if local_loss and mode != "local":  # exchange and ring: scales' gradients exact in the sum over ranks
                 got[-3:] = [_sum_over_ranks(g) for g in got[-3:]]
                 want[-3:] = [_sum_over_ranks(w) for w in want[-3:]]
             for n, (g, w) in enumerate(zip(got, want)):

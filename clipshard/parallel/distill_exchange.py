@@ -18,29 +18,18 @@ sum_r (P_r, D_r) / (2NM).
   column normaliser, exp(teacherColLSE_r - teacherColLSE).
 - local: two row-only op calls, I_r against all T and T_r against all I (open_clip's local_loss=True,
   gather_with_grad=False, where the gathered features are constants).
+- ring: exchange's partials with the text blocks passed around the ring (distill_ring.py).
 """
 import torch
 
 from clipshard.parallel import collectives as cdist
 from clipshard.ops.distill_lse import distill_lse
-
-
-def _terms(row_lse, row_pos, row_cross, col_lse, col_pos, col_cross):
-    """(P, D) of rows and columns whose statistics are given; the cross terms are T x n and their
-    mean over the teachers is the cross term of the teachers' mean softmax."""
-    contrastive = (row_lse - row_pos).sum() + (col_lse - col_pos).sum()
-    distill = (row_lse - row_cross.mean(0)).sum() + (col_lse - col_cross.mean(0)).sum()
-    return torch.stack([contrastive, distill])
+from clipshard.parallel.distill_ring import partial_terms, ring_partials, weighted_rows
 
 
 def _gather_teacher(teacher, layout, with_grad=True):
     """All ranks' T x M_q x Dt teacher features, T x K x Dt."""
     return cdist.gather_rows(teacher.transpose(0, 1), layout, with_grad=with_grad).transpose(0, 1)
-
-
-def _weighted(rows, weights):
-    """Teacher rows times the per-feature weights of a mean of teachers' logits (None: none)."""
-    return rows if weights is None else rows * weights.to(rows.dtype)
 
 
 def exchange_partials(image, text, scale, teacher, layout, algorithm="auto"):
@@ -50,7 +39,7 @@ def exchange_partials(image, text, scale, teacher, layout, algorithm="auto"):
     cols = cdist.gather_rows(text, layout)
     teacher_cols = _gather_teacher(teacher_text, layout)
     row_lse, pos, _, row_cross, col_part, teacher_col_part, cross_part = distill_lse(
-        image, cols, _weighted(teacher_image, weights), teacher_cols, scale, teacher_scale, layout.offset, True,
+        image, cols, weighted_rows(teacher_image, weights), teacher_cols, scale, teacher_scale, layout.offset, True,
         algorithm=algorithm)
     own = slice(layout.offset, layout.offset + layout.local_size)
     col_lse = cdist.combine_column_lse(col_part, layout)[own]
@@ -58,7 +47,7 @@ def exchange_partials(image, text, scale, teacher, layout, algorithm="auto"):
     share = torch.exp(teacher_col_part - teacher_col_lse)
     col_cross = cdist.all_reduce_sum_with_grad(share * cross_part, layout)[:, own]
     # S_jj of this rank's column j = offset + i is the positive logit of local row i
-    return _terms(row_lse, pos, row_cross, col_lse, pos, col_cross)
+    return partial_terms(row_lse, pos, row_cross, col_lse, pos, col_cross)
 
 
 def local_partials(image, text, scale, teacher, layout, gather_with_grad=True, algorithm="auto"):
@@ -68,15 +57,15 @@ def local_partials(image, text, scale, teacher, layout, gather_with_grad=True, a
     all_teacher_text = _gather_teacher(teacher_text, layout, gather_with_grad)
     all_teacher_image = _gather_teacher(teacher_image, layout, gather_with_grad)
     image_lse, image_pos, _, image_cross, *_ = distill_lse(
-        image, all_text, _weighted(teacher_image, weights), all_teacher_text, scale, teacher_scale, layout.offset, False,
+        image, all_text, weighted_rows(teacher_image, weights), all_teacher_text, scale, teacher_scale, layout.offset, False,
         algorithm=algorithm)
     text_lse, text_pos, _, text_cross, *_ = distill_lse(
-        text, all_image, _weighted(teacher_text, weights), all_teacher_image, scale, teacher_scale, layout.offset, False,
+        text, all_image, weighted_rows(teacher_text, weights), all_teacher_image, scale, teacher_scale, layout.offset, False,
         algorithm=algorithm)
-    return _terms(image_lse, image_pos, image_cross, text_lse, text_pos, text_cross)
+    return partial_terms(image_lse, image_pos, image_cross, text_lse, text_pos, text_cross)
 
 
-_PARTIALS = {"exchange": exchange_partials, "local": local_partials}
+_PARTIALS = {"exchange": exchange_partials, "local": local_partials, "ring": ring_partials}
 
 
 def rank_losses(teachers, image, text, scale, layout, mode, gather_with_grad, algorithm="auto"):
