@@ -7,7 +7,7 @@ frozen teacher (its features under no_grad, as in open_clip's --distill training
 quantiles; memory: the peak bytes each loss allocates beyond its inputs (benchmarks/_measure.py).
 Both losses run in the same process and the same run, so the ratios are the figures to read on a
 shared machine. `clipshard` is algorithm="auto" (the compiled kernels where this build has them,
-else the torch path), `clipshard_torch` is algorithm="torch".
+else the torch path); `clipshard_torch`, algorithm="torch", is added where the two differ.
 
     python benchmarks/bench_distill.py --json bench_results/distill_cpu.json
 """
@@ -17,6 +17,7 @@ import sys
 import torch
 
 import clipshard
+from clipshard.ops._algorithm import has_compiled_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _measure import (fmt, parser_with_common_arguments, peak_memory_bytes, print_table, require_device,  # noqa: E402
@@ -51,8 +52,9 @@ def main():
     require_device("bench_distill", args.device)
     dtype = DTYPES[args.dtype or ("bf16" if args.device == "cuda" else "fp32")]
     from open_clip.loss import DistillClipLoss as OpenClipDistillClipLoss
-    impls = {"open_clip": OpenClipDistillClipLoss(), "clipshard": clipshard.DistillClipLoss(),
-             "clipshard_torch": clipshard.DistillClipLoss(algorithm="torch")}
+    impls = {"open_clip": OpenClipDistillClipLoss(), "clipshard": clipshard.DistillClipLoss()}
+    if has_compiled_kernel("clipshard::distill_lse", torch.device(args.device).type):  # else "auto" is "torch"
+        impls["clipshard_torch"] = clipshard.DistillClipLoss(algorithm="torch")
     inputs = _inputs(args.batch, args.dim, args.teacher_dim, dtype, args.device)
     rows = []
     for name, loss in impls.items():
