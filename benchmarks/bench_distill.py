@@ -29,7 +29,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 def _inputs(batch, dim, teacher_dim, dtype, device):
     gen = torch.Generator().manual_seed(0)
-    unit = lambda d: torch.nn.functional.normalize(torch.randn(batch, d, generator=gen), dim=1).to(device, dtype)  # noqa: E731
+
+    def unit(d):
+        return torch.nn.functional.normalize(torch.randn(batch, d, generator=gen), dim=1).to(device, dtype)
+
     return (unit(dim), unit(dim), torch.tensor(30.0, device=device), unit(teacher_dim), unit(teacher_dim),
             torch.tensor(100.0, device=device))
 

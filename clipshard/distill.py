@@ -35,7 +35,8 @@ def _teacher_problem(image, teacher_images, teacher_texts, teacher_scales):
                 return ValueError, f"{which}{name} must be on the students' device ({image.device}), got {t.device}"
         if t_image.dim() != 2 or t_image.shape != t_text.shape or t_image.shape[1] == 0:
             return ValueError, (f"{which}dist_image_features and dist_text_features must have the same shape "
-                                f"(batch x teacher dim, dim >= 1), got {tuple(t_image.shape)} and {tuple(t_text.shape)}")
+                                f"(batch x teacher dim, dim >= 1), got {tuple(t_image.shape)} and "
+                                f"{tuple(t_text.shape)}")
         if t_image.shape[0] != image.shape[0]:
             return ValueError, (f"{which}the teacher's batch must be the student's ({image.shape[0]} rows), got "
                                 f"{t_image.shape[0]}")

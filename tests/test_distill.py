@@ -135,7 +135,7 @@ def test_bad_inputs_name_the_argument():
     loss = clipshard.DistillClipLoss()
     with pytest.raises(ValueError, match="lists of the same length >= 1, got 2, 1 and 2 teachers"):
         loss(*student, images, texts[:1], scales)
-    with pytest.raises(ValueError, match="teacher 1: dist_image_features and dist_text_features must have the same shape"):
+    with pytest.raises(ValueError, match="teacher 1: dist_image_features and dist_text_features must have the same"):
         loss(*student, images, [texts[0], texts[1][:, :3]], scales)
     with pytest.raises(ValueError, match=r"the teacher's batch must be the student's \(6 rows\), got 4"):
         loss(*student, images[0][:4], texts[0][:4], scales[0])

@@ -71,7 +71,8 @@ def _rank(rank, world_size):
                   ([t_images[0].float()], [t_texts[0].float()], [torch.tensor(100.0)]))
     for uniform in (False, True):
         upstream = [1.0, 0.5] if uniform else [1.0 + 0.5 * rank, 0.75 - 0.25 * rank]
-        everyone = [upstream] * world_size if uniform else [[1.0 + 0.5 * q, 0.75 - 0.25 * q] for q in range(world_size)]
+        everyone = ([upstream] * world_size if uniform
+                    else [[1.0 + 0.5 * q, 0.75 - 0.25 * q] for q in range(world_size)])
         for local_loss, gather_with_grad, mode in CONFIGS:
             if uniform and mode is not None:
                 continue
@@ -111,7 +112,8 @@ def _rank(rank, world_size):
                                              algorithm="torch", average_after_softmax=average_after_softmax)
             leaves = [t.detach().float().clone().requires_grad_() for t in
                       [image[local], text[local], torch.tensor(30.0)]]
-            teacher_leaves = [[t[local].float().clone().requires_grad_() for t in group] for group in (t_images, t_texts)]
+            teacher_leaves = [[t[local].float().clone().requires_grad_() for t in group]
+                              for group in (t_images, t_texts)]
             scale_leaves = [s.clone().requires_grad_() for s in t_scales]
             contrastive, distill = loss(*leaves, *teacher_leaves, scale_leaves)
             (everyone[rank][0] * contrastive + everyone[rank][1] * distill).backward()
@@ -128,7 +130,9 @@ def _rank(rank, world_size):
                 want[-3:] = [_sum_over_ranks(w) for w in want[-3:]]
             for n, (g, w) in enumerate(zip(got, want)):
                 teacher = n >= 2 and n != len(got) - 3
-                tolerance = (TEACHER_SCALE_TOLERANCE if n >= len(got) - 2 else TEACHER_TOLERANCE) if teacher else TOLERANCE
+                tolerance = TOLERANCE
+                if teacher:
+                    tolerance = TEACHER_SCALE_TOLERANCE if n >= len(got) - 2 else TEACHER_TOLERANCE
                 check(f"{key} d {n}", g, w, tolerance, 1.0 if tolerance == TEACHER_TOLERANCE else 1e-30)
 
     # a bad teacher on one rank raises on every rank instead of hanging the others

@@ -57,11 +57,11 @@ def local_partials(image, text, scale, teacher, layout, gather_with_grad=True, a
     all_teacher_text = _gather_teacher(teacher_text, layout, gather_with_grad)
     all_teacher_image = _gather_teacher(teacher_image, layout, gather_with_grad)
     image_lse, image_pos, _, image_cross, *_ = distill_lse(
-        image, all_text, weighted_rows(teacher_image, weights), all_teacher_text, scale, teacher_scale, layout.offset, False,
-        algorithm=algorithm)
+        image, all_text, weighted_rows(teacher_image, weights), all_teacher_text, scale, teacher_scale,
+        layout.offset, False, algorithm=algorithm)
     text_lse, text_pos, _, text_cross, *_ = distill_lse(
-        text, all_image, weighted_rows(teacher_text, weights), all_teacher_image, scale, teacher_scale, layout.offset, False,
-        algorithm=algorithm)
+        text, all_image, weighted_rows(teacher_text, weights), all_teacher_image, scale, teacher_scale,
+        layout.offset, False, algorithm=algorithm)
     return partial_terms(image_lse, image_pos, image_cross, text_lse, text_pos, text_cross)
 
 

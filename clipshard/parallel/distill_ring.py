@@ -110,7 +110,8 @@ class _RingDistill(torch.autograd.Function):
             own = step == 0
             # upstream gradients in the op's output order: (LSE, positives, teacher LSEs, cross terms)
             # of the rows, then (LSE, teacher LSEs, cross terms) of the columns
-            row_grads, row_stats = (g_row, g_pos if own else None, None, g_row_cross), (row_lse, teacher_row_lse, row_cross)
+            row_grads = (g_row, g_pos if own else None, None, g_row_cross)
+            row_stats = (row_lse, teacher_row_lse, row_cross)
             col_grads, col_stats = (c_g, None, c_g_cross), (c_lse, c_teacher_lse, c_cross)
             if _transposed(image, block, own):
                 d_b, d_i, d_tb, d_ti, d_s, d_ts = distill_lse_backward(
