@@ -50,7 +50,7 @@ def main():
     parser.add_argument("--dim", type=int, default=512)
     parser.add_argument("--teacher-dim", type=int, default=768)
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default fp32 on the CPU, bf16 on CUDA")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=5, help="timed calls per loss; 0: peak memory only")
     args = parser.parse_args()
     require_device("bench_distill", args.device)
     dtype = DTYPES[args.dtype or ("bf16" if args.device == "cuda" else "fp32")]
@@ -61,16 +61,17 @@ def main():
     inputs = _inputs(args.batch, args.dim, args.teacher_dim, dtype, args.device)
     rows = []
     for name, loss in impls.items():
-        timing = time_repeats(lambda: _step(loss, inputs), args.device, args.repeats)
+        timing = (time_repeats(lambda: _step(loss, inputs), args.device, args.repeats) if args.repeats
+                  else {"median_s": None, "p20_s": None, "p80_s": None})
         peak = peak_memory_bytes(lambda: _step(loss, inputs), args.device)
         rows.append({"impl": name, "peak_bytes": peak, **timing})
     base = rows[0]
     for r in rows:
-        r["time_vs_open_clip"] = r["median_s"] / base["median_s"]
+        r["time_vs_open_clip"] = r["median_s"] / base["median_s"] if args.repeats else None
         r["mem_vs_open_clip"] = r["peak_bytes"] / base["peak_bytes"]
     columns = [("impl", lambda r: r["impl"], "<"),
-               ("median ms", lambda r: f"{r['median_s'] * 1e3:.0f}"),
-               ("p20-p80 ms", lambda r: f"{r['p20_s'] * 1e3:.0f}-{r['p80_s'] * 1e3:.0f}"),
+               ("median ms", lambda r: fmt(r["median_s"] and r["median_s"] * 1e3, ".0f")),
+               ("p20-p80 ms", lambda r: f"{r['p20_s'] * 1e3:.0f}-{r['p80_s'] * 1e3:.0f}" if args.repeats else "-"),
                ("peak MiB", lambda r: f"{r['peak_bytes'] / MIB:.1f}"),
                ("time/oc", lambda r: fmt(r["time_vs_open_clip"], ".3f")),
                ("mem/oc", lambda r: fmt(r["mem_vs_open_clip"], ".4f"))]

@@ -11,7 +11,8 @@ collectives, so that the kernels only ever see local tensors:
   distillation loss combines its partial column statistics with it);
 - `shard_layout`: one small all-gather of per-rank metadata that validates the inputs of every rank
   (so that a bad input raises on all ranks instead of hanging some of them) and returns the local
-  sizes of all ranks.
+  sizes of all ranks; `raise_on_every_rank` does the same for a problem a caller found in inputs
+  shard_layout does not know (the distillation loss's teachers).
 
 The process group's backend decides the transport (NCCL/RCCL for CUDA and ROCm tensors, gloo for
 CPU tensors, XCCL for XPU, ...); nothing here depends on the device type. Features travel in their
