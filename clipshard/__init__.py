@@ -9,13 +9,15 @@ from clipshard.grad_cache import GradCache
 from clipshard.integrations.open_clip_patch import apply_to_open_clip
 from clipshard.integrations.transformers_patch import apply_to_transformers
 from clipshard.loss import ClipLoss, clip_loss
+from clipshard.distill import DistillClipLoss
 from clipshard.rounding import stochastic_round, stochastic_round_
 from clipshard.siglip import SigLipLoss, siglip_loss
 from clipshard.ops.siglip_sum import siglip_sum
 
 __version__ = "0.1.0"
-__all__ = ["ClipLoss", "GradCache", "SigLipLoss", "apply_to_open_clip", "apply_to_transformers", "clip_loss",
-           "contrastive_lse", "optim", "self_check", "siglip_loss", "siglip_sum", "stochastic_round", "stochastic_round_",
+__all__ = ["ClipLoss", "DistillClipLoss", "GradCache", "SigLipLoss", "apply_to_open_clip", "apply_to_transformers",
+           "clip_loss", "contrastive_lse", "optim", "self_check", "siglip_loss", "siglip_sum", "stochastic_round",
+           "stochastic_round_",
            "text_tower_to_half_precision_"]
 
 

@@ -13,7 +13,7 @@ import clipshard  # noqa: E402
 from clipshard.integrations import open_clip_patch  # noqa: E402
 from clipshard.integrations.coca_loss import CoCaLoss  # noqa: E402
 
-ORIGINAL = {m: {n: getattr(__import__(m, fromlist=["_"]), n, None) for n in ("ClipLoss", "CoCaLoss")}
+ORIGINAL = {m: {n: getattr(__import__(m, fromlist=["_"]), n, None) for n in ("ClipLoss", "CoCaLoss", "DistillClipLoss")}
             for m in open_clip_patch.MODULES}
 
 
@@ -36,11 +36,14 @@ def test_create_loss_builds_clipshard_losses_and_leaves_the_others(patch):
     coca = open_clip.create_loss(_args(model="coca_ViT-B-32", local_loss=True, gather_with_grad=True))
     assert type(coca) is CoCaLoss
     assert (coca.local_loss, coca.gather_with_grad, coca.caption_loss_weight, coca.clip_loss_weight) == (True, True, 2.0, 1.0)
-    assert type(open_clip.create_loss(_args(distill=True))) is open_clip.loss.DistillClipLoss
+    distill = open_clip.create_loss(_args(distill=True, local_loss=True, gather_with_grad=True))
+    assert type(distill) is clipshard.DistillClipLoss and (distill.local_loss, distill.gather_with_grad) == (True, True)
     assert type(open_clip.create_loss(_args(siglip=True))) is clipshard.SigLipLoss
-    assert patch.replaced == {"ClipLoss": clipshard.ClipLoss, "CoCaLoss": CoCaLoss, "SigLipLoss": clipshard.SigLipLoss}
-    assert patch.kept == ("DistillClipLoss",)
-    assert "left as open_clip's: DistillClipLoss" in patch.summary()
+    assert patch.replaced == {"ClipLoss": clipshard.ClipLoss, "CoCaLoss": CoCaLoss,
+                              "DistillClipLoss": clipshard.DistillClipLoss, "SigLipLoss": clipshard.SigLipLoss}
+    assert patch.kept == ()
+    assert "DistillClipLoss -> clipshard.distill.DistillClipLoss" in patch.summary()
+    assert "left as open_clip's: none" in patch.summary()
     for module_name in open_clip_patch.MODULES:  # every place the classes are looked up by
         module = sys.modules[module_name]
         assert module.ClipLoss is clipshard.ClipLoss and module.CoCaLoss is CoCaLoss, module_name

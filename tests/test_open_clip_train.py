@@ -91,7 +91,8 @@ def _train(data, workdir, which, name, *extra):
     for rank in range(RANKS):
         lines = [json.loads(line) for line in (record_dir / f"rank{rank}.jsonl").read_text().splitlines()]
         ranks.append({"loss_class": lines[0]["loss_class"], "clipshard_imported": lines[-1]["clipshard_imported"],
-                      "losses": [line["contrastive_loss"] for line in lines[1:-1]]})
+                      "losses": [line["contrastive_loss"] for line in lines[1:-1]],
+                      "distill_losses": [line.get("distill_loss") for line in lines[1:-1]]})
     return ranks, done.stdout + done.stderr
 
 
@@ -112,7 +113,41 @@ def test_fp32_losses_match_stock_open_clip_train(data, tmp_path, flags):
         print(f"{flags or 'default'} rank {rank}: max relative loss difference {difference:.2e}")
         assert difference <= 1e-5, (ours[rank]["losses"], stock[rank]["losses"])
     assert "clipshard: create_loss built clipshard.loss.ClipLoss" in log
-    assert "left as open_clip's: DistillClipLoss" in log
+    assert "left as open_clip's: none" in log
+
+
+def write_teacher(root):
+    """A small random teacher of a wider embedding (48 vs the student's 32) saved to a file in a
+    model directory: `--distill-model local-dir:DIR` loads DIR's open_clip_pytorch_model.bin, the
+    file given as --distill-pretrained (open_clip_train needs both to distill)."""
+    import open_clip
+    teacher = root / "teacher"
+    teacher.mkdir()
+    config = {**TINY_CLIP, "embed_dim": 48}
+    (teacher / "open_clip_config.json").write_text(json.dumps({"model_cfg": config}))
+    torch.manual_seed(1)
+    checkpoint = teacher / "open_clip_pytorch_model.bin"
+    torch.save(open_clip.create_model(f"local-dir:{teacher}").state_dict(), checkpoint)
+    return teacher, checkpoint
+
+
+def test_distill_losses_match_stock_open_clip_train(data, tmp_path):
+    """--distill-model with a local teacher checkpoint: clipshard's DistillClipLoss gives stock
+    open_clip_train's contrastive and distillation losses at every step (fp32, 1e-5)."""
+    teacher, checkpoint = write_teacher(tmp_path)
+    flags = ["--epochs", "1", "--distill-model", f"local-dir:{teacher}", "--distill-pretrained", str(checkpoint)]
+    stock, _ = _train(data, tmp_path, "stock", "stock", *flags)
+    ours, log = _train(data, tmp_path, "clipshard", "clipshard", *flags)
+    for rank in range(RANKS):
+        assert stock[rank]["loss_class"] == "open_clip.loss.DistillClipLoss"
+        assert ours[rank]["loss_class"] == "clipshard.distill.DistillClipLoss"
+        for key in ("losses", "distill_losses"):
+            assert len(stock[rank][key]) == len(ours[rank][key]) == STEPS_PER_EPOCH
+            assert len(set(stock[rank][key])) == STEPS_PER_EPOCH
+            difference = _max_relative_difference(ours[rank][key], stock[rank][key])
+            print(f"distill rank {rank} {key}: max relative difference {difference:.2e}")
+            assert difference <= 1e-5, (ours[rank][key], stock[rank][key])
+    assert "clipshard: create_loss built clipshard.distill.DistillClipLoss" in log
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ import logging
 import torch
 
 from clipshard.integrations.coca_loss import CoCaLoss
+from clipshard.distill import DistillClipLoss
 from clipshard.integrations.open_clip_common import ORIGINALS, import_open_clip
 from clipshard.loss import ClipLoss
 from clipshard.siglip import SigLipLoss
@@ -26,6 +27,7 @@ def _replacements():
     return {
         "ClipLoss": ClipLoss,
         "CoCaLoss": CoCaLoss,
+        "DistillClipLoss": DistillClipLoss,
         "SigLipLoss": SigLipLoss,
     }
 
@@ -67,11 +69,11 @@ def _open_clip_losses(loss_module):
 
 def apply_to_open_clip():
     """Makes open_clip build clipshard's losses: afterwards `open_clip.create_loss(args)`, and so
-    open_clip_train, returns clipshard.ClipLoss for the CLIP loss and clipshard's CoCaLoss (fused
-    contrastive term, open_clip's caption term) for CoCa models and clipshard.SigLipLoss for SigLIP
-    models; `open_clip.ClipLoss`, `open_clip.loss.ClipLoss` (and the same for CoCaLoss and
-    SigLipLoss) name clipshard's classes too. open_clip's other losses (DistillClipLoss, ...) stay as
-    they are and are listed in the result's `kept`.
+    open_clip_train, returns clipshard.ClipLoss for the CLIP loss, clipshard.SigLipLoss for SigLIP,
+    clipshard.DistillClipLoss for --distill-model runs and clipshard's CoCaLoss (fused contrastive
+    term, open_clip's caption term) for CoCa models; `open_clip.ClipLoss` and
+    `open_clip.loss.ClipLoss` (and the other names) name clipshard's classes too. open_clip's other
+    losses stay as they are and are listed in the result's `kept`.
 
     Returns an OpenClipPatch (`.replaced`, `.kept`, `.summary()`, `.undo()`) and logs its summary to
     the "clipshard" logger. Calling it again while applied returns the same patch. Names bound before

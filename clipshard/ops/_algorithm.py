@@ -1,7 +1,8 @@
 """Which implementation of a loss op runs: the rule behind algorithm="auto" (docs/portable.md).
 
 Each op has compiled kernels for some device types (contrastive_lse: "fused" on the CPU, "chunked"
-on CUDA; siglip_sum: "chunked" on both) and the portable algorithm "torch", written with PyTorch
+on CUDA; siglip_sum: "chunked" on both; distill_lse: "compiled" on both)
+and the portable algorithm "torch", written with PyTorch
 operations only, which runs on every device torch supports. "auto" picks the op's compiled kernel
 when the tensors' device type has one AND the extension registered it with torch's dispatcher
 (a CUDA machine whose extension was built CPU-only, or a ROCm build, which torch reports as
@@ -25,6 +26,7 @@ ENV_VAR = "CLIPSHARD_ALGORITHM"
 _COMPILED = {
     "contrastive_lse": ("clipshard::contrastive_lse_forward", {"cpu": "fused", "cuda": "chunked"}),
     "siglip_sum": ("clipshard::siglip_forward", {"cpu": "chunked", "cuda": "chunked"}),
+    "distill_lse": ("clipshard::distill_lse", {"cpu": "compiled", "cuda": "compiled"}),
 }
 # The dtypes the compiled kernels of a device type take (every op alike); absent: all four.
 _COMPILED_DTYPES = {"cuda": (torch.float32, torch.float16, torch.bfloat16)}
@@ -35,9 +37,16 @@ _warned_device_types = set()  # device types, and (device type, dtype) pairs, al
 
 
 def has_compiled_kernel(operator, device_type):
-    """Whether the extension registered a kernel of `operator` for tensors of `device_type`."""
+    """Whether the extension registered a kernel of `operator` for tensors of `device_type` (False
+    when an older build has no schema for it)."""
     key = _DISPATCH_KEYS.get(device_type)
-    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(operator, key)
+    return key is not None and has_schema(operator) and torch._C._dispatch_has_kernel_for_dispatch_key(operator, key)
+
+
+def has_schema(operator):
+    """Whether the loaded extension defines `operator` ("namespace::name") at all."""
+    namespace, name = operator.split("::")
+    return hasattr(getattr(torch.ops, namespace), name)
 
 
 def _forced():
@@ -67,9 +76,12 @@ def check_algorithm(fn, algorithm, names):
 
 
 def resolve(op, algorithm, device, names, dtype=None):
-    """The algorithm that runs op ("contrastive_lse" or "siglip_sum") on `device` for inputs of
+    """The algorithm that runs op ("contrastive_lse", "siglip_sum" or "distill_lse") on `device` for inputs of
     `dtype` when asked for `algorithm` (one of `names`); "auto" follows the module docstring's rule."""
     check_algorithm(op, algorithm, names)
+    if algorithm == "compiled" and not has_compiled_kernel(_COMPILED[op][0], torch.device(device).type):
+        raise RuntimeError(f"{op}: algorithm='compiled' needs the extension's {op} kernel for "
+                           f"{torch.device(device).type!r} tensors, and this build has none; use 'auto' or 'torch'")
     if algorithm != "auto":
         return algorithm
     return _auto(op, torch.device(device).type, dtype)
@@ -82,7 +94,9 @@ def explain_auto(op, device_type, dtype=None):
         return "torch", f"{ENV_VAR}=torch is set", None
     operator, compiled = _COMPILED[op]
     if device_type not in compiled or not has_compiled_kernel(operator, device_type):
-        return "torch", f"no compiled clipshard kernel is registered for {device_type!r} tensors", device_type
+        # (an extension built before the op existed has nothing better to offer: no warning then)
+        return ("torch", f"no compiled clipshard kernel is registered for {device_type!r} tensors",
+                device_type if has_schema(operator) else None)
     supported = _COMPILED_DTYPES.get(device_type)
     if dtype is not None and supported is not None and dtype not in supported:
         names = ", ".join(str(d).removeprefix("torch.") for d in supported)

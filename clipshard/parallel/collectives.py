@@ -7,9 +7,12 @@ collectives, so that the kernels only ever see local tensors:
   reduce-scatter (sum) of the gradient.
 - `combine_column_lse`: C[j] = logsumexp_r c_r[j] over ranks; backward all-reduces the incoming
   gradient and returns g_C * exp(c_r - C).
+- `all_reduce_sum_with_grad`: a sum over ranks whose backward all-reduces the gradient (the
+  distillation loss combines its partial column statistics with it);
 - `shard_layout`: one small all-gather of per-rank metadata that validates the inputs of every rank
   (so that a bad input raises on all ranks instead of hanging some of them) and returns the local
-  sizes of all ranks.
+  sizes of all ranks; `raise_on_every_rank` does the same for a problem a caller found in inputs
+  shard_layout does not know (the distillation loss's teachers).
 
 The process group's backend decides the transport (NCCL/RCCL for CUDA and ROCm tensors, gloo for
 CPU tensors, XCCL for XPU, ...); nothing here depends on the device type. Features travel in their
@@ -401,3 +404,48 @@ def all_reduce_sum(x, layout):
     if layout.world_size > 1:
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=layout.group)
     return x
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """y = sum over ranks of x (every rank holds y). Every rank's loss may use y, so the gradient of
+    x is the sum over ranks of the incoming gradients: backward is an all-reduce too."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        y = x.detach().clone()
+        dist.all_reduce(y, op=dist.ReduceOp.SUM, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+def all_reduce_sum_with_grad(x, layout):
+    """Sum over ranks of `x`, differentiable (module docstring)."""
+    if layout.world_size == 1:
+        return x
+    return _AllReduceSum.apply(x, layout.group)
+
+
+def raise_on_every_rank(fn, problem, group):
+    """`problem`: (exception class, message) of this rank's inputs, or None. One all-gather of a
+    flag, so that a problem on one rank raises on every rank instead of leaving the others waiting
+    in a collective."""
+    if group is None:
+        if problem is not None:
+            raise problem[0](f"{fn}: {problem[1]}")
+        return
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    device = _metadata_device(group)
+    mine = torch.tensor([int(problem is not None)], dtype=torch.int64, device=device)
+    everyone = torch.empty(world_size, dtype=torch.int64, device=device)
+    _all_gather_single(everyone, mine, group=group)
+    flags = everyone.tolist()
+    if problem is not None:
+        raise problem[0](f"{fn}: {problem[1]} (on rank {rank})")
+    if any(flags):
+        raise ValueError(f"{fn}: rank {flags.index(1)} has invalid inputs (its error says which)")

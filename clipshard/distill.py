@@ -1,0 +1,162 @@
+"""`DistillClipLoss`: a drop-in for open_clip's DistillClipLoss (the contrastive loss plus the
+cross-entropy of the student's logits against a teacher's softmax), fused and sharded, for one
+teacher or an ensemble of teachers (docs/distillation.md)."""
+import zlib
+
+import torch
+
+from clipshard._checks import check_flags, check_rank_and_world_size
+from clipshard.loss import _as_scalar_tensor, _config_code, _resolve_mode
+from clipshard.ops._algorithm import check_algorithm
+from clipshard.ops._block_checks import SUPPORTED_DTYPES
+from clipshard.ops.distill_lse import ALGORITHMS
+from clipshard.parallel import collectives as cdist
+from clipshard.parallel import distill_exchange
+
+
+def _as_list(value):
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def _teacher_problem(image, teacher_images, teacher_texts, teacher_scales):
+    """(exception class, message) of the first problem with the teachers' inputs, or None."""
+    if not (len(teacher_images) == len(teacher_texts) == len(teacher_scales)) or not teacher_images:
+        return ValueError, (f"dist_image_features, dist_text_features and dist_logit_scale must be one teacher's or "
+                            f"lists of the same length >= 1, got {len(teacher_images)}, {len(teacher_texts)} and "
+                            f"{len(teacher_scales)} teachers")
+    for k, (t_image, t_text, t_scale) in enumerate(zip(teacher_images, teacher_texts, teacher_scales)):
+        which = f"teacher {k}: " if len(teacher_images) > 1 else ""
+        for name, t in (("dist_image_features", t_image), ("dist_text_features", t_text)):
+            if not torch.is_tensor(t):
+                return TypeError, f"{which}{name} must be a tensor, got {type(t).__name__}"
+            if t.dtype not in SUPPORTED_DTYPES:
+                return TypeError, f"{which}{name} must be float32, float16, bfloat16 or float64, got {t.dtype}"
+            if t.device != image.device:
+                return ValueError, f"{which}{name} must be on the students' device ({image.device}), got {t.device}"
+        if t_image.dim() != 2 or t_image.shape != t_text.shape or t_image.shape[1] == 0:
+            return ValueError, (f"{which}dist_image_features and dist_text_features must have the same shape "
+                                f"(batch x teacher dim, dim >= 1), got {tuple(t_image.shape)} and "
+                                f"{tuple(t_text.shape)}")
+        if t_image.shape[0] != image.shape[0]:
+            return ValueError, (f"{which}the teacher's batch must be the student's ({image.shape[0]} rows), got "
+                                f"{t_image.shape[0]}")
+        if t_image.dtype != t_text.dtype or t_image.dtype != teacher_images[0].dtype:
+            return TypeError, (f"{which}every teacher feature tensor must have one dtype, got {t_image.dtype}, "
+                               f"{t_text.dtype} and {teacher_images[0].dtype}")
+        number = isinstance(t_scale, (int, float)) and not isinstance(t_scale, bool)
+        if not number and not (torch.is_tensor(t_scale) and t_scale.numel() == 1 and t_scale.is_floating_point()
+                               and t_scale.device == image.device):
+            got = (f"shape {tuple(t_scale.shape)}, {t_scale.dtype} on {t_scale.device}" if torch.is_tensor(t_scale)
+                   else type(t_scale).__name__)
+            return TypeError, (f"{which}dist_logit_scale must be a float or a one-element floating-point tensor on "
+                               f"the features' device, got {got}")
+    return None
+
+
+def _stack_after_softmax(images, texts, scales):
+    """T teachers as the op's stack (T x M x Dt, T x K x Dt, T scales, no row weights): features of
+    a smaller dimension are padded with zeros, which leaves every dot product unchanged."""
+    dim = max(t.shape[1] for t in images)
+    pad = lambda t: torch.nn.functional.pad(t, (0, dim - t.shape[1]))  # noqa: E731
+    return (torch.stack([pad(t) for t in images]), torch.stack([pad(t) for t in texts]),
+            torch.stack([s.reshape(()) for s in scales]), None)
+
+
+def _stack_logit_mean(images, texts, scales):
+    """The mean of T teachers' logits as ONE teacher: sum_k (s_k / T) <I_k, T_k> = (s_0 / T) <w I', T'>
+    with I' = concat_k I_k and T' = concat_k T_k along the features, and the row weights w equal to
+    s_k / s_0 on teacher k's features (applied to the rows of each op call, after any gather, so
+    that the scales' gradients keep every term)."""
+    if len(images) == 1:
+        return _stack_after_softmax(images, texts, scales)
+    first = scales[0].reshape(())
+    weights = torch.cat([(s.reshape(()) / first).expand(t.shape[1]) for t, s in zip(images, scales)])
+    return (torch.cat(images, dim=1).unsqueeze(0), torch.cat(texts, dim=1).unsqueeze(0),
+            (first / len(images)).reshape(1), weights)
+
+
+def _teacher_config(leaves, average_after_softmax):
+    """A number that every rank's teacher inputs must share (count, dims, dtypes, requires_grad)."""
+    grad_mode = torch.is_grad_enabled()
+    description = (average_after_softmax, [(tuple(t.shape[1:]), str(t.dtype), grad_mode and t.requires_grad)
+                                           for t in leaves])
+    return zlib.crc32(repr(description).encode()) & 0x7FFFFFFF
+
+
+class DistillClipLoss(torch.nn.Module):
+    """Drop-in replacement for open_clip.loss.DistillClipLoss (open_clip 3.3 signature): the CLIP
+    contrastive loss and the distillation loss, the cross-entropy of the student's logits (rows and
+    columns) against the teacher's softmax, with the same values and gradients as open_clip's for
+    all four (local_loss, gather_with_grad) combinations; no logit matrix of the student or of any
+    teacher is formed.
+
+    Arguments as clipshard.ClipLoss (mode "exchange", "local" or "ring"; the default follows
+    gather_with_grad as there), plus average_after_softmax: for an ensemble of teachers (lists of
+    features and scales in forward), the target of each row is the mean of the teachers' softmaxes
+    (True, MobileCLIP's ensemble) or the softmax of the mean of their logits (False). algorithm:
+    "auto", "compiled" or "torch" (clipshard.ops.distill_lse). Horovod is not supported.
+    """
+
+    def __init__(self, local_loss=False, gather_with_grad=False, cache_labels=False, rank=0, world_size=1,
+                 use_horovod=False, *, mode=None, group=None, algorithm="auto", average_after_softmax=False):
+        super().__init__()
+        fn = "DistillClipLoss"
+        check_flags(fn, cache_labels=cache_labels, use_horovod=use_horovod,
+                    average_after_softmax=average_after_softmax)
+        check_rank_and_world_size(fn, rank, world_size)
+        if use_horovod:
+            raise ValueError(f"{fn}: use_horovod=True is not supported; clipshard communicates through "
+                             "torch.distributed (launch with torchrun)")
+        self.local_loss, self.gather_with_grad, self.cache_labels = local_loss, gather_with_grad, cache_labels
+        self.rank, self.world_size, self.use_horovod = rank, world_size, use_horovod
+        self.mode = _resolve_mode(fn, mode, local_loss, gather_with_grad)
+        self.group = group
+        check_algorithm(fn, algorithm, ALGORITHMS)
+        self.algorithm = algorithm
+        self.average_after_softmax = average_after_softmax
+
+    def forward(self, image_features, text_features, logit_scale, dist_image_features, dist_text_features,
+                dist_logit_scale, output_dict=False):
+        """(contrastive_loss, distill_loss) of this rank's batch, as open_clip's
+        DistillClipLoss.forward computes them ({"contrastive_loss", "distill_loss"} with output_dict).
+
+        image_features, text_features: the student's (batch, dim) features, one dtype and device.
+        logit_scale: the student's logit scale, already exponentiated (tensor or number).
+        dist_image_features, dist_text_features: the teacher's (batch, teacher dim) features (any
+            supported dtype, the teacher dim may differ from the student's), or lists of them, one
+            per teacher.
+        dist_logit_scale: the teacher's logit scale (already exponentiated), or a list, one per teacher.
+        Returns two 0-dim fp32 tensors (fp64 for fp64 student features).
+        """
+        fn = "DistillClipLoss"
+        check_flags(fn, output_dict=output_dict)
+        images, texts = _as_list(dist_image_features), _as_list(dist_text_features)
+        scales = _as_list(dist_logit_scale)
+        distributed = not (self.world_size == 1 and self.group is None)
+        group = cdist.resolve_group(fn, self.group, self.world_size)[0] if distributed else None
+        problem = _teacher_problem(image_features, images, texts, scales) if torch.is_tensor(image_features) else None
+        cdist.raise_on_every_rank(fn, problem, group)
+        scale = _as_scalar_tensor(logit_scale, image_features)
+        scales = [_as_scalar_tensor(s, image_features) for s in scales]
+        explicit = distributed and not (self.world_size == 1 and self.rank == 0)
+        layout = cdist.shard_layout(
+            fn, image_features, text_features, scale, None, group,
+            config=_config_code(self.local_loss, self.gather_with_grad, self.mode),
+            rank_arg=self.rank if explicit else None, world_size_arg=self.world_size if explicit else None)
+        if group is not None:  # the teachers must agree across ranks too
+            cdist.shard_layout(f"{fn} (teachers)", images[0], texts[0], scales[0], None, group,
+                               config=_teacher_config(images + texts + scales, self.average_after_softmax))
+        stack = _stack_after_softmax if self.average_after_softmax else _stack_logit_mean
+        n = len(images)
+        teachers = (images + texts + scales, lambda *leaves: stack(leaves[:n], leaves[n:2 * n], leaves[2 * n:]))
+        if self.local_loss or layout.world_size == 1:
+            losses = distill_exchange.rank_losses(teachers, image_features, text_features, scale, layout,
+                                                  self.mode if layout.world_size > 1 else "exchange",
+                                                  self.gather_with_grad, self.algorithm)
+        else:
+            losses = distill_exchange.global_losses(teachers, image_features, text_features, scale, layout,
+                                                    self.mode, self.gather_with_grad, self.algorithm)
+        contrastive, distill = losses.unbind()
+        if output_dict:
+            return {"contrastive_loss": contrastive, "distill_loss": distill}
+        return contrastive, distill
