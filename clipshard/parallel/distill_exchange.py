@@ -122,6 +122,10 @@ class _GlobalLosses(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if ctx.graph is None:  # (every rank gets here alike, before any collective)
+            raise RuntimeError("DistillClipLoss with local_loss=False: backward ran twice through the same loss, and "
+                               "the first one freed its graph (retain_graph is not supported here); compute the loss "
+                               "again for a second backward")
         partials, leaves = ctx.graph
         ctx.graph = None
         layout = ctx.layout
