@@ -1,5 +1,5 @@
 """What every open_clip integration module needs: open_clip checked against clipshard's version policy
-(supported_import.OPEN_CLIP: open_clip_torch >= 2.27, < 4), and open_clip's own loss classes whether
+(supported_import.OPEN_CLIP: open_clip_torch >= 2.26, < 4), and open_clip's own loss classes whether
 or not apply_to_open_clip() has replaced them.
 
 open_clip_patch records the classes it replaces here (`ORIGINALS`), so coca_loss can reach open_clip's

@@ -75,5 +75,5 @@ class VersionPolicy:
 # The supported ranges (docs/transformers.md and docs/open_clip.md say why these bounds; the CI
 # matrix, `make test-matrix`, tests the oldest and the newest of each).
 TRANSFORMERS = VersionPolicy("transformers", "transformers", "transformers", oldest=(4, 50), newest_tested=(5, 24))
-OPEN_CLIP = VersionPolicy("open_clip", "open_clip_torch", "open_clip", oldest=(2, 27), newest_tested=(3, 3),
+OPEN_CLIP = VersionPolicy("open_clip", "open_clip_torch", "open_clip", oldest=(2, 26), newest_tested=(3, 3),
                           refused_from=(4, 0))
