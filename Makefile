@@ -23,7 +23,7 @@ endif
 BUILT := $(VENV)/.built-$(BUILD_KIND)
 SOURCES := setup.py $(shell find csrc -type f 2>/dev/null)
 
-.PHONY: setup build run test clean
+.PHONY: setup build run test test-matrix clean
 
 setup: $(VENV)/.deps-installed build
 
@@ -50,5 +50,11 @@ run: setup
 test: setup
 	$(PY) -m pytest -q tests
 
+# The integration tests against the oldest supported transformers (4.50) and open_clip (2.26) and
+# against transformers 4.57, each in a small venv under .venv-matrix that reuses .venv's torch
+# (.ci/test_matrix.sh; docs/transformers.md, docs/open_clip.md). `make test` runs the default versions.
+test-matrix: setup
+	PY=$(PY) bash .ci/test_matrix.sh
+
 clean:
-	rm -rf build *.egg-info clipshard/*.so $(VENV)/.built-*
+	rm -rf build *.egg-info clipshard/*.so $(VENV)/.built-* .venv-matrix

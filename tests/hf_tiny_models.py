@@ -1,5 +1,7 @@
-"""Tiny, randomly initialised transformers models of every class apply_to_transformers covers, and
-random inputs for them (no hub: configs are built here). Used by tests/test_transformers_*.py."""
+"""Tiny, randomly initialised transformers models of every class apply_to_transformers covers that the
+installed transformers has, and random inputs for them (no hub: configs are built here), plus the
+few calls whose names differ between transformers 4.5x and 5.x. Used by tests/test_transformers_*.py
+and tests/hf_trainer_runner.py, in every venv of the version matrix (`make test-matrix`)."""
 import torch
 
 VOCAB, TOKENS, IMAGE, PATCH, CHANNELS, HIDDEN, PROJECTION = 40, 7, 8, 4, 1, 16, 8
@@ -43,9 +45,22 @@ def _siglip2(t):
     return t.Siglip2Model(t.Siglip2Config(text_config=_TEXT, vision_config=dict(vision, num_patches=4)))
 
 
-BUILDERS = {"CLIPModel": _clip, "MetaClip2Model": _metaclip2, "ChineseCLIPModel": _chinese_clip,
-            "AltCLIPModel": _altclip, "VisionTextDualEncoderModel": _dual_encoder, "SiglipModel": _siglip,
-            "Siglip2Model": _siglip2}
+_ALL_BUILDERS = {"CLIPModel": _clip, "MetaClip2Model": _metaclip2, "ChineseCLIPModel": _chinese_clip,
+                 "AltCLIPModel": _altclip, "VisionTextDualEncoderModel": _dual_encoder, "SiglipModel": _siglip,
+                 "Siglip2Model": _siglip2}
+
+
+def _installed_names():
+    """The names transformers exports (its lazy module lists them without importing the models)."""
+    try:
+        import transformers
+    except ImportError:
+        return set(_ALL_BUILDERS)  # the tests skip themselves
+    return set(dir(transformers))
+
+
+# the covered classes the installed transformers has (MetaClip2Model is newer than 4.50)
+BUILDERS = {name: build for name, build in _ALL_BUILDERS.items() if name in _installed_names()}
 
 
 def tiny_model(name, seed=0):
@@ -86,3 +101,11 @@ def gradient_errors(got, want):
     gradient instead, so that their rounding noise is not divided by (nearly) zero."""
     floor = 1e-2 * max(g.abs().max() for g in want.values())
     return {name: ((got[name] - w).abs().max() / w.abs().max().clamp_min(floor)).item() for name, w in want.items()}
+
+
+def enable_checkpointing(model):
+    """Non-reentrant activation checkpointing of the towers: transformers 5.x's name, or 4.x's."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

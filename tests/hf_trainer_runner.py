@@ -11,6 +11,7 @@ RUN is one of
 Rank 0 writes {RUN: [the loss Trainer logged at each step]} to OUT.json. Same seed, same data in the
 same order (sequential sampling) on any number of ranks; the model has no dropout.
 """
+import dataclasses
 import json
 import os
 import sys
@@ -43,6 +44,26 @@ def collate(items):
     return {**batch, "return_loss": True}
 
 
+def _sequential_and_checkpointing(transformers, checkpointing):
+    """TrainingArguments for sequential sampling and checkpointing: transformers 5.x's names, or 4.x's
+    (which has no sampling option: _sequential_trainer covers it)."""
+    fields = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    sampling = {"train_sampling_strategy": "sequential"} if "train_sampling_strategy" in fields else {}
+    return {**sampling, name: checkpointing, f"{name}_kwargs": {"use_reentrant": False} if checkpointing else None}
+
+
+def _sequential_trainer(transformers):
+    """Trainer, with its training data read in order where TrainingArguments cannot say so (4.x)."""
+    if "train_sampling_strategy" in {f.name for f in dataclasses.fields(transformers.TrainingArguments)}:
+        return transformers.Trainer
+
+    class SequentialTrainer(transformers.Trainer):
+        def _get_train_sampler(self, *args, **kwargs):
+            return torch.utils.data.SequentialSampler(self.train_dataset)
+    return SequentialTrainer
+
+
 def train(run, world_size=1):
     """The per-step losses Trainer logs for `run` (see the module docstring)."""
     import transformers
@@ -59,12 +80,11 @@ def train(run, world_size=1):
                 output_dir=out, per_device_train_batch_size=GLOBAL_BATCH // world_size, max_steps=STEPS,
                 learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0, logging_steps=1, seed=0,
                 use_cpu=True, report_to=[], save_strategy="no", disable_tqdm=True, remove_unused_columns=False,
-                train_sampling_strategy="sequential", ddp_find_unused_parameters=False, dataloader_num_workers=0,
-                bf16=recipe, activation_checkpointing=recipe,
-                activation_checkpointing_kwargs={"use_reentrant": False} if recipe else None)
+                ddp_find_unused_parameters=False, dataloader_num_workers=0, bf16=recipe,
+                **_sequential_and_checkpointing(transformers, recipe))
             optimizers = (clipshard.optim.AdamW(model.parameters(), lr=LR), None) if recipe else (None, None)
-            trainer = transformers.Trainer(model=model, args=args, train_dataset=data, data_collator=collate,
-                                           optimizers=optimizers)
+            trainer = _sequential_trainer(transformers)(model=model, args=args, train_dataset=data,
+                                                        data_collator=collate, optimizers=optimizers)
             trainer.train()
         assert recipe == (type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer")
                                 else trainer.optimizer) is clipshard.optim.AdamW)

@@ -5,6 +5,7 @@
 stock:     open_clip_train.main.main(args), with only torch's refusal of CPU device_ids lifted (its DDP
            call passes device_ids=[cpu]); clipshard is never imported.
 clipshard: `python -m clipshard.open_clip_train args`, run with runpy as python -m runs it.
+$OPEN_CLIP_TEST_MODEL_CONFIGS: the folder of the test's model config, registered with open_clip.
 Each rank writes RECORD_DIR/rank<r>.jsonl: the class create_loss built, then one line per forward
 with the loss values at full precision, then whether clipshard was imported.
 """
@@ -45,6 +46,7 @@ def main():
     record_dir, which, *args = sys.argv[1:]
     path = os.path.join(record_dir, f"rank{os.environ.get('RANK', '0')}.jsonl")
     open_clip.create_loss = _recording(open_clip.create_loss, path)  # before open_clip_train imports it
+    open_clip.add_model_config(os.environ["OPEN_CLIP_TEST_MODEL_CONFIGS"])  # the test's tiny_clip
     if which == "stock":
         torch.nn.parallel.DistributedDataParallel = _CpuDDP
         from open_clip_train.main import main as train_main

@@ -65,8 +65,8 @@ def test_apply_twice_is_one_patch_and_undo_restores_everything():
 
 def test_refuses_an_unsupported_open_clip(monkeypatch):
     monkeypatch.setattr(open_clip, "__version__", "2.24.0")
-    with pytest.raises(ImportError, match=r"apply_to_open_clip: open_clip_torch 2.24.0 is not supported; "
-                                          r"clipshard supports 3.3.x"):
+    with pytest.raises(ImportError, match=r"apply_to_open_clip: open_clip_torch 2\.24\.0 is not supported; clipshard "
+                                          r"supports open_clip_torch>=2\.26, <4\.0 \(tested up to 3\.3\.x\)"):
         clipshard.apply_to_open_clip()
     assert open_clip.factory.ClipLoss is ORIGINAL["open_clip.factory"]["ClipLoss"]
 

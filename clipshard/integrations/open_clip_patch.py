@@ -3,7 +3,7 @@
 open_clip's `create_loss` (and so open_clip_train) finds the classes in `open_clip.factory`; users
 find them in `open_clip` and `open_clip.loss`. The patch replaces the names of `_replacements()` in
 all three, records what it replaced and what it left as open_clip's, and can be undone.
-SUPPORTED_VERSIONS and import_open_clip live in open_clip_common. docs/open_clip.md.
+The version policy: open_clip_common and supported_import. docs/open_clip.md.
 """
 import dataclasses
 import importlib
@@ -13,7 +13,7 @@ import torch
 
 from clipshard.integrations.coca_loss import CoCaLoss
 from clipshard.distill import DistillClipLoss
-from clipshard.integrations.open_clip_common import ORIGINALS, import_open_clip
+from clipshard.integrations.open_clip_common import ORIGINALS, import_open_clip, warn_if_newer_than_tested
 from clipshard.loss import ClipLoss
 from clipshard.siglip import SigLipLoss
 
@@ -78,7 +78,9 @@ def apply_to_open_clip():
     Returns an OpenClipPatch (`.replaced`, `.kept`, `.summary()`, `.undo()`) and logs its summary to
     the "clipshard" logger. Calling it again while applied returns the same patch. Names bound before
     the call (`from open_clip import ClipLoss`) keep open_clip's class. Raises ImportError if
-    open_clip is missing or not a supported version (SUPPORTED_VERSIONS)."""
+    open_clip is missing, outside the supported range (supported_import.OPEN_CLIP: 2.26 to 3.x) or
+    laid out differently (no ClipLoss / CoCaLoss / SigLipLoss in open_clip.factory); a release newer
+    than the newest tested (3.3) gets one warning naming its version."""
     global _active
     if _active is not None:
         return _active
@@ -94,6 +96,7 @@ def apply_to_open_clip():
     if missing:
         raise ImportError(f"{_FN}: open_clip.factory has no {', '.join(missing)}: open_clip_torch "
                           f"{open_clip.__version__} is laid out differently from the supported versions")
+    warn_if_newer_than_tested(_FN, open_clip)
     kept = tuple(n for n in _open_clip_losses(open_clip.loss) if n not in replacements)
     for (module_name, name) in originals:
         setattr(importlib.import_module(module_name), name, replacements[name])

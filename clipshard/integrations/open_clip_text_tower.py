@@ -8,7 +8,7 @@ docs/open_clip.md.
 import torch
 import torch.nn.functional as F
 
-from clipshard.integrations.open_clip_common import import_open_clip
+from clipshard.integrations.open_clip_common import import_open_clip, warn_if_newer_than_tested
 from clipshard.optim import to_half_precision_
 
 _FN = "text_tower_to_half_precision_"
@@ -58,6 +58,10 @@ def text_tower(model):
                         "clipshard.optim.to_half_precision_ and cast the text features yourself")
     if base is _open_clip.CustomTextCLIP:
         return [model.text]
+    missing = [name for name in CLIP_TEXT_TOWER if not hasattr(model, name)]
+    if missing:  # a release whose CLIP names its text tower differently: refused, never half converted
+        raise TypeError(f"{_FN}: this open_clip_torch {_open_clip.__version__} CLIP has no {', '.join(missing)}; "
+                        "its text tower is not laid out as clipshard expects")
     return [getattr(model, name) for name in CLIP_TEXT_TOWER if getattr(model, name) is not None]
 
 
@@ -71,6 +75,7 @@ def text_tower_to_half_precision_(model, dtype: torch.dtype = torch.bfloat16, *,
     optimizer. The model's class becomes HalfTextCLIP / HalfTextCustomTextCLIP (subclasses, so
     isinstance checks hold; state_dict keys are unchanged). Returns the model."""
     tower = text_tower(model)
+    warn_if_newer_than_tested(_FN, _open_clip)
     to_half_precision_(tower, dtype, generator=generator)
     model.__class__ = _HALF_CLASS.get(type(model), type(model))
     return model

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from clipshard.integrations.open_clip_common import import_open_clip
+from clipshard.integrations.open_clip_common import import_open_clip, warn_if_newer_than_tested
 from clipshard.integrations.open_clip_grad_cache import grad_cache_epochs, one_batch_per_step
 from clipshard.integrations.open_clip_patch import apply_to_open_clip
 
@@ -113,8 +113,9 @@ def _loss_hook(create_loss, patch):
 
 
 def _check_options(options, args):
-    if options.clipshard_adamw and args.opt != "adamw":
-        raise SystemExit(f"{_PROG}: --clipshard-adamw replaces open_clip_train's --opt adamw, got --opt {args.opt}")
+    opt = getattr(args, "opt", "adamw")  # open_clip_train before 3.0 has no --opt: always AdamW
+    if options.clipshard_adamw and opt != "adamw":
+        raise SystemExit(f"{_PROG}: --clipshard-adamw replaces open_clip_train's --opt adamw, got --opt {opt}")
     if options.clipshard_adamw and args.horovod:
         raise SystemExit(f"{_PROG}: --clipshard-adamw is not supported with --horovod")
     if args.accum_freq > 1 and (args.horovod or args.distill_model is not None):
@@ -131,12 +132,26 @@ def _grad_cache_hooks(stack, train_main, args):
                                   grad_cache_epochs(train_main.train_one_epoch, args.batch_size)))
 
 
+# what the entry point replaces inside open_clip_train.main, in every release from 2.26 (when
+# open_clip_train became a package) to 3.3
+_TRAIN_MAIN_NAMES = ("main", "create_loss", "create_model_and_transforms", "optim")
+
+
+def _check_layout(open_clip, train_main):
+    missing = [name for name in _TRAIN_MAIN_NAMES if not hasattr(train_main, name)]
+    if missing:
+        raise ImportError(f"{_PROG}: open_clip_train.main of open_clip_torch {open_clip.__version__} has no "
+                          f"{', '.join(missing)}: its layout is not the one this entry point drives")
+    warn_if_newer_than_tested(_PROG, open_clip)
+
+
 def main(argv=None):
     """Runs open_clip_train.main.main with clipshard; returns what it returns."""
     options, open_clip_argv = parse_clipshard_args(sys.argv[1:] if argv is None else argv)
-    import_open_clip(_PROG)
+    open_clip = import_open_clip(_PROG)
     from open_clip_train import main as train_main  # its data module needs pandas etc.: the [open_clip] extra
     from open_clip_train.params import parse_args
+    _check_layout(open_clip, train_main)
     args = parse_args(open_clip_argv)
     _check_options(options, args)
     patch = apply_to_open_clip()

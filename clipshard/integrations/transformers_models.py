@@ -1,12 +1,12 @@
 """Which Hugging Face transformers models clipshard covers, and how each computes its embeddings.
 
-Every covered model's forward does the same thing (transformers 5.23): the projected, pooled
+Every covered model's forward does the same thing (transformers 4.50 to 5.x): the projected, pooled
 embeddings of each tower, each divided by its L2 norm, then logits = logit_scale.exp() * text @ image^T
 (+ logit_bias for SigLIP), then `return_loss=True` takes the loss of the local logits: the mean of the
 two cross-entropies (CLIP family) or the mean over rows of the summed -log sigmoid (SigLIP family).
 This module names the classes, their family and their output class, and computes the normalised
-embeddings the way the forward does, without the logits (for apply_to_transformers(logits=False)).
-docs/transformers.md.
+embeddings the way the forward does, without the logits (for apply_to_transformers(logits=False)),
+through transformers_structure's calls that work across releases. docs/transformers.md.
 """
 import dataclasses
 import importlib
@@ -14,7 +14,8 @@ import sys
 
 import torch
 
-SUPPORTED_VERSIONS = ("5.23",)  # transformers major.minor versions tested against
+from clipshard.integrations import transformers_structure as structure
+
 CLIP, SIGLIP = "clip", "siglip"
 
 
@@ -29,6 +30,18 @@ class Covered:
 
     def model_class(self):
         return getattr(importlib.import_module(self.module), self.name)
+
+    def model_class_if_present(self):
+        """The class, or None in a transformers release that does not have it yet (MetaClip2Model is
+        newer than 4.50)."""
+        try:
+            return self.model_class()
+        except ModuleNotFoundError as e:
+            if e.name is None or not self.module.startswith(e.name):
+                raise  # a module the model's own module imports is missing: not an absent model
+            return None
+        except AttributeError:
+            return None
 
     def output_class(self):
         return getattr(importlib.import_module(self.output_module or self.module), self.output)
@@ -80,15 +93,14 @@ def _normalise(entry, features):
 def embeddings(model, entry, arguments):
     """(image_embeds, text_embeds, vision_model_output, text_model_output) as the forward of `entry`'s
     class computes them from its keyword `arguments` (without return_loss and return_dict), without
-    building the logits."""
+    building the logits. The tower outputs are None in transformers 4.x, whose get_*_features return
+    only the embeddings."""
     shared = {k: v for k, v in arguments.items() if k not in IMAGE_ARGS + TEXT_ARGS}
     image_args = {k: arguments[k] for k in IMAGE_ARGS if k in arguments}
     text_args = {k: arguments[k] for k in TEXT_ARGS if k in arguments}
-    vision_output = model.get_image_features(**image_args, **shared, return_dict=True)
-    text_output = model.get_text_features(**text_args, **shared, return_dict=True)
-    image = _normalise(entry, vision_output.pooler_output)
-    text = _normalise(entry, text_output.pooler_output)
-    return image, text, vision_output, text_output
+    image, vision_output = structure.features(model.get_image_features, {**image_args, **shared})
+    text, text_output = structure.features(model.get_text_features, {**text_args, **shared})
+    return _normalise(entry, image), _normalise(entry, text), vision_output, text_output
 
 
 def logit_scale_and_bias(model, entry, device):

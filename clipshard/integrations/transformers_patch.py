@@ -7,7 +7,11 @@ can be computed, and SigLIP's loss is written inline. The patched forward runs t
 forward with return_loss=False (so the towers, the normalisation, logit_scale.exp() and the logits
 stay the model's code) and adds transformers_loss's loss of the embeddings it returns; with
 logits=False it computes the same embeddings without the M x M logits. Undo puts each class's own
-forward function object back. docs/transformers.md.
+forward function object back.
+
+Which transformers releases: supported_import.TRANSFORMERS (the oldest supported, the newest
+tested). A class is patched when transformers_structure.problem() finds nothing missing, whatever
+the version; one whose structure is rejected is left alone and listed in the patch. docs/transformers.md.
 """
 import dataclasses
 import functools
@@ -17,7 +21,8 @@ import logging
 import torch
 
 from clipshard.integrations import transformers_models as models
-from clipshard.integrations.supported_import import import_supported
+from clipshard.integrations import transformers_structure as structure
+from clipshard.integrations.supported_import import TRANSFORMERS
 from clipshard.integrations.transformers_loss import global_batch_loss, grad_cache_loss
 
 _LOG = logging.getLogger("clipshard")
@@ -25,8 +30,8 @@ _FN = "clipshard.apply_to_transformers"
 
 
 def import_transformers(fn=_FN):
-    """transformers, checked to be a supported version; a clear ImportError otherwise."""
-    return import_supported(fn, "transformers", "transformers", "transformers", models.SUPPORTED_VERSIONS)
+    """transformers, checked to be at least the oldest supported release; a clear ImportError otherwise."""
+    return TRANSFORMERS.import_checked(fn)
 
 
 def _with_global_loss(original, entry, logits, micro_batch_size):
@@ -35,24 +40,23 @@ def _with_global_loss(original, entry, logits, micro_batch_size):
 
     @functools.wraps(original)  # keeps the signature Trainer inspects (remove_unused_columns, loss kwargs)
     def forward(self, *args, **kwargs):
-        arguments = signature.bind(self, *args, **kwargs).arguments
+        # return_dict is a parameter in 4.5x's signatures, a keyword their wrapper takes in later ones
+        return_dict = kwargs.get("return_dict")
+        arguments = signature.bind(self, *args, **{k: v for k, v in kwargs.items() if k != "return_dict"}).arguments
         if not arguments.get("return_loss"):
             return original(self, *args, **kwargs)
         arguments = _keywords(arguments)
-        return_dict = arguments.pop("return_dict", None)
+        return_dict = arguments.pop("return_dict", return_dict)
         if return_dict is None:
             return_dict = getattr(self.config, "return_dict", True)
         if micro_batch_size is not None and torch.is_grad_enabled():
             output = entry.output_class()(loss=grad_cache_loss(self, entry, arguments, micro_batch_size))
             return output if return_dict else output.to_tuple()
-        if logits:
+        fields = None if logits else _embeddings_without_logits(self, entry, arguments)
+        if fields is None:
             output = original(self, **arguments, return_loss=False, return_dict=True)
             fields = dict(output.items())
-            image, text = output.image_embeds, output.text_embeds
-        else:
-            image, text, vision_output, text_output = models.embeddings(self, entry, arguments)
-            fields = dict(image_embeds=image, text_embeds=text, vision_model_output=vision_output,
-                          text_model_output=text_output)
+        image, text = fields["image_embeds"], fields["text_embeds"]
         scale, bias = models.logit_scale_and_bias(self, entry, image.device)
         fields["loss"] = global_batch_loss(entry.family, image, text, scale, bias)
         output = entry.output_class()(**fields)  # the dataclass's field order: loss first
@@ -65,6 +69,26 @@ def _with_global_loss(original, entry, logits, micro_batch_size):
 def _runs_patched_forward(cls):
     """Whether `cls.forward` is a forward this module installed (not a subclass's override)."""
     return getattr(cls.forward, "clipshard_patched", False)
+
+
+def _embeddings_without_logits(model, entry, arguments):
+    """The output fields of logits=False (embeddings and tower outputs, no logits); None, with one
+    warning per class, where the class's get_*_features raise (transformers 4.57's
+    ChineseCLIPModel.get_text_features reads a pooler its model does not build): the caller then
+    takes the embeddings from the forward, logits included."""
+    try:
+        image, text, vision_output, text_output = models.embeddings(model, entry, arguments)
+    except (TypeError, AttributeError) as e:
+        if entry.name not in _features_failed:
+            _features_failed.add(entry.name)
+            _LOG.warning("clipshard: %s.get_image_features / get_text_features raised %r; its loss is computed "
+                         "from its forward's embeddings instead, with the M x M logits (logits=False cannot "
+                         "skip them for this class in this transformers release)", entry.name, e)
+        return None
+    return dict(image_embeds=image, text_embeds=text, vision_model_output=vision_output, text_model_output=text_output)
+
+
+_features_failed = set()  # classes whose get_*_features raised, warned about once
 
 
 def _keywords(arguments):
@@ -80,19 +104,24 @@ class TransformersPatch:
     """What apply_to_transformers changed. replaced: class name -> its family ("clip" / "siglip");
     kept: transformers' other models with a return_loss, left as they are; logits: whether the
     patched forwards still return logits when computing the loss; originals: class -> its own
-    forward, for undo(); micro_batch_size: the GradCache micro-batch of training calls, or None."""
+    forward, for undo(); rejected: covered class name -> why its structure was not patched (left
+    alone); absent: covered classes this transformers release does not have; micro_batch_size: the
+    GradCache micro-batch of training calls, or None."""
     replaced: dict
     kept: tuple
     logits: bool
     originals: dict
+    rejected: dict = dataclasses.field(default_factory=dict)
+    absent: tuple = ()
     active: bool = True
     micro_batch_size: int = None
 
     def covers(self, model):
         """Whether `model` (or its class) computes clipshard's loss while this patch is active: a
-        covered class, or a subclass whose `forward` is still the patched one."""
+        covered class this patch replaced, or a subclass whose `forward` is still the patched one."""
         cls = model if isinstance(model, type) else type(models.unwrap(model))
-        return self.active and models.covered_entry(cls) is not None and _runs_patched_forward(cls)
+        entry = models.covered_entry(cls)
+        return self.active and entry is not None and entry.name in self.replaced and _runs_patched_forward(cls)
 
     def report(self, model):
         """One line saying what `model`'s return_loss=True computes."""
@@ -100,6 +129,9 @@ class TransformersPatch:
         entry = models.covered_entry(cls)
         if self.covers(cls):
             return f"{cls.__name__}: clipshard's global-batch loss ({entry.family} family)"
+        if entry is not None and entry.name in self.rejected:
+            return (f"{cls.__name__}: left alone, its structure is not the one clipshard patches "
+                    f"({self.rejected[entry.name]}); it computes its own loss")
         if entry is not None and self.active:
             owner = next(c for c in cls.__mro__ if "forward" in c.__dict__)
             return (f"{cls.__name__}: left alone, its own {owner.__qualname__}.forward overrides {entry.name}'s and "
@@ -124,8 +156,11 @@ class TransformersPatch:
         logits = "" if self.logits else " without logits when return_loss=True"
         if self.micro_batch_size is not None:
             logits = f" through clipshard.GradCache in micro-batches of {self.micro_batch_size} when training"
-        return (f"clipshard's global-batch loss in transformers' {replaced}{logits}; left alone (their own "
-                f"losses): {', '.join(self.kept)}")
+        rejected = "".join(f"; left alone, structure not recognised: {name} ({why})"
+                           for name, why in self.rejected.items())
+        absent = f"; not in this transformers: {', '.join(self.absent)}" if self.absent else ""
+        return (f"clipshard's global-batch loss in transformers' {replaced or 'no class'}{logits}{rejected}"
+                f"{absent}; left alone (their own losses): {', '.join(self.kept)}")
 
 
 _active = None
@@ -151,10 +186,15 @@ def apply_to_transformers(*, logits=True, micro_batch_size=None):
     forward is as above. docs/grad_cache.md.
 
     Call it before Trainer / accelerator.prepare / DDP wrap the model. Returns a TransformersPatch
-    (`.replaced`, `.kept`, `.covers(model)`, `.report(model)`, `.summary()`, `.undo()`) and logs its
-    summary to the "clipshard" logger. Calling it again while applied, with the same `logits`,
-    returns the same patch. Other models (`.kept`) are left as they are and raise nothing. Raises
-    ImportError if transformers is missing or not a supported version (SUPPORTED_VERSIONS)."""
+    (`.replaced`, `.kept`, `.rejected`, `.absent`, `.covers(model)`, `.report(model)`, `.summary()`,
+    `.undo()`) and logs its summary to the "clipshard" logger. Calling it again while applied, with
+    the same `logits`, returns the same patch. Other models (`.kept`) are left as they are and raise
+    nothing.
+
+    Versions (supported_import.TRANSFORMERS): ImportError if transformers is missing or older than
+    4.50. Each class is checked for the structure the patch uses (transformers_structure.problem);
+    one that fails is left alone and listed in `.rejected`, never patched. A release newer than the
+    newest tested gets one UserWarning naming its version, after that check."""
     global _active
     if not isinstance(logits, bool):
         raise TypeError(f"{_FN}: logits must be True or False, got {logits!r}")
@@ -166,15 +206,26 @@ def apply_to_transformers(*, logits=True, micro_batch_size=None):
             raise ValueError(f"{_FN}: already applied with logits={_active.logits}, micro_batch_size="
                              f"{_active.micro_batch_size}; undo() that patch first")
         return _active
-    import_transformers()
-    originals, replaced = {}, {}
+    transformers = import_transformers()
+    originals, replaced, rejected, absent = {}, {}, {}, []
     for entry in models.COVERED:
-        cls = entry.model_class()
-        originals[cls] = cls.__dict__["forward"]
-        replaced[entry.name] = entry.family
+        cls = entry.model_class_if_present()
+        problem = None if cls is None else structure.problem(entry, cls)
+        if cls is None:
+            absent.append(entry.name)
+        elif problem is not None:
+            rejected[entry.name] = problem
+        else:
+            originals[cls] = cls.__dict__["forward"]
+            replaced[entry.name] = entry.family
+    if replaced:
+        TRANSFORMERS.warn_if_newer_than_tested(_FN, transformers)
     for cls, forward in originals.items():
         cls.forward = _with_global_loss(forward, models.covered_entry(cls), logits, micro_batch_size)
     _active = TransformersPatch(replaced=replaced, kept=models.NOT_COVERED, logits=logits, originals=originals,
-                                micro_batch_size=micro_batch_size)
+                                rejected=rejected, absent=tuple(absent), micro_batch_size=micro_batch_size)
     _LOG.info("clipshard: %s", _active.summary())
+    if rejected:
+        _LOG.warning("clipshard: left alone, their structure is not the one clipshard patches: %s",
+                     "; ".join(f"{name} ({why})" for name, why in rejected.items()))
     return _active

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The version matrix (`make test-matrix`): the integration tests against the other transformers and
+# open_clip releases clipshard supports, each in its own small venv next to .venv. A matrix venv
+# holds only that release and the packages whose versions it needs (pip installs those; everything
+# else, torch included, comes from .venv through a .pth file that adds .venv's site-packages after
+# the venv's own, so the release installed here shadows .venv's). .venv itself runs the default
+# versions (requirements-dev.txt) in `make test`. Created once, reused while the pins below hold.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+MATRIX=${MATRIX:-.venv-matrix}
+MAIN_SITE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+
+# venv NAME PIP_SPEC: creates $MATRIX/NAME (once per spec) and checks which version imports there
+venv() {
+    local dir="$MATRIX/$1" spec="$2"
+    if [ "$(cat "$dir/.spec" 2>/dev/null)" != "$spec" ]; then
+        rm -rf "$dir"
+        "$PY" -m venv --without-pip "$dir"
+        local site
+        site=$("$dir/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+        echo "import site; site.addsitedir('$MAIN_SITE')" > "$site/_clipshard_main_venv.pth"
+        "$dir/bin/python" -m pip install -q --disable-pip-version-check "$spec"
+        echo "$spec" > "$dir/.spec"
+    fi
+}
+
+# run NAME MODULE TEST_ARGS...: the tests in venv NAME, after checking that MODULE is the venv's own
+run() {
+    local name="$1" module="$2"; shift 2
+    local dir="$MATRIX/$name" start=$SECONDS
+    "$dir/bin/python" -c "import $module, sys; f = $module.__file__; print('$name:', '$module', $module.__version__, f)
+sys.exit(0 if f.startswith('$(realpath "$dir")') or f.startswith('$dir') else 'imported from .venv, not the matrix venv')"
+    PYTHONPATH="$PWD" "$dir/bin/python" -m pytest -q -p no:cacheprovider "$@"
+    echo "$name: $((SECONDS - start)) s"
+}
+
+THREE_RANKS=tests/test_transformers_distributed.py::test_loss_and_ddp_gradients_equal_the_global_batch[3]
+venv transformers-4.50 transformers==4.50.3
+venv transformers-4.57 transformers==4.57.6
+venv open_clip-2.26 open_clip_torch==2.26.1
+# the oldest supported transformers: 1 and 2 ranks, and Trainer on 2 ranks
+run transformers-4.50 transformers tests/test_transformers_patch.py tests/test_transformers_distributed.py \
+    tests/test_transformers_trainer.py --deselect "$THREE_RANKS"
+# the last 4.x: 1 and 2 ranks
+run transformers-4.57 transformers tests/test_transformers_patch.py tests/test_transformers_distributed.py \
+    --deselect "$THREE_RANKS"
+# the oldest supported open_clip (the first with open_clip_train as a package)
+run open_clip-2.26 open_clip tests/test_open_clip_patch.py tests/test_open_clip_text_tower.py \
+    tests/test_open_clip_train.py
