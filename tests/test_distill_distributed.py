@@ -139,6 +139,13 @@ def _rank(rank, world_size):
     bad = inputs[3][:, :5] if rank == 1 else inputs[3]
     with pytest.raises(ValueError, match="must have the same shape" if rank == 1 else "rank 1 has invalid inputs"):
         clipshard.DistillClipLoss(rank=rank, world_size=world_size)(*inputs[:3], bad, *inputs[4:])
+
+    # local_loss=False: a second backward through the same loss is refused clearly on every rank
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    total = sum(clipshard.DistillClipLoss(rank=rank, world_size=world_size)(*leaves))
+    total.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice through the same loss"):
+        total.backward()
     return worst
 
 

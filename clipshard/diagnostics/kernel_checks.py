@@ -23,6 +23,7 @@ from clipshard import reference
 from clipshard._random import as_int64
 from clipshard.ops import _algorithm
 from clipshard.ops.contrastive_lse import contrastive_lse_backward
+from clipshard.ops.distill_lse import distill_lse
 
 
 @dataclass
@@ -178,6 +179,49 @@ def check_siglip(device):
                                   max(FLOOR[dtype], 2 * results["torch"]))
 
 
+TEACHERS, TEACHER_D = 2, 24  # an ensemble of two teachers whose features are narrower than the student's
+
+
+def check_distill(device):
+    """distill_lse (DistillClipLoss's op) with two teachers that require grad: the seven outputs and
+    every input's gradient under realistic upstream weights, against fp64."""
+    for index, dtype in enumerate(_dtypes(device)):
+        name = str(dtype).removeprefix("torch.")
+        rows, cols, scale, _, _ = _problem(dtype, device, seed=50 + index)
+        generator = torch.Generator().manual_seed(60 + index)
+        teachers = [torch.randn(TEACHERS, n, TEACHER_D, dtype=torch.float64, generator=generator) for n in (M, K)]
+        teachers = [(t / t.norm(dim=2, keepdim=True)).to(dtype).to(device) for t in teachers]
+        teacher_scale = torch.tensor([11.0, 23.0], device=device)
+        inputs = (rows, cols, *teachers, scale, teacher_scale)
+        weights = None
+        results = {}
+        for algorithm in ("reference", "torch", "compiled"):
+            if algorithm == "compiled" and not _algorithm.has_compiled_kernel("clipshard::distill_lse", device.type):
+                continue
+            cast = (lambda t: t.detach().double().cpu()) if algorithm == "reference" else (lambda t: t.detach())
+            leaves = [cast(t).requires_grad_() for t in inputs]
+            if algorithm == "reference":
+                outs = reference.distill_lse_reference(*leaves, pos_offset=POS_OFFSET)
+            else:
+                outs = distill_lse(*leaves, pos_offset=POS_OFFSET, algorithm=algorithm, workspace_bytes=SMALL_WORKSPACE)
+            if weights is None:  # about 0.5 / M per output element, signed
+                weights = [(0.5 / M) * (torch.rand(o.shape, dtype=torch.float64, generator=generator) - 0.3)
+                           for o in outs]
+            objective = sum((o.double().cpu() * w).sum() for o, w in zip(outs, weights))
+            results[algorithm] = ([o.detach() for o in outs], torch.autograd.grad(objective, leaves))
+        ref_outs, ref_grads = results.pop("reference")
+        baseline = None
+        for algorithm, (outs, grads) in results.items():
+            fwd, bwd = _worst(outs, ref_outs), _worst(grads, ref_grads)
+            if baseline is None:  # the torch path: the floor; the compiled kernel: within 2x of it
+                baseline = fwd, bwd
+                yield Measurement(f"torch {name} forward", fwd, FLOOR[torch.float32])
+                yield Measurement(f"torch {name} backward", bwd, FLOOR[dtype])
+            else:
+                yield Measurement(f"{algorithm} {name} forward", fwd, max(FLOOR[torch.float32], 2 * baseline[0]))
+                yield Measurement(f"{algorithm} {name} backward", bwd, max(FLOOR[dtype], 2 * baseline[1]))
+
+
 def _rounding_input(generator):
     """fp32 values over the whole range, and every special value: NaNs of both signs and other
     payloads, infinities, zeros, fp16 subnormals and overflow, bf16 subnormals."""
@@ -301,6 +345,7 @@ CHECKS = (
     Check("contrastive_lse", check_contrastive_lse),
     Check("contrastive_lse chunked addmm", check_chunked_addmm_branches),
     Check("siglip_sum", check_siglip),
+    Check("distill_lse", check_distill),
     Check("stochastic_round", check_stochastic_round),
     Check("adamw_step_", check_adamw),
 )
