@@ -135,8 +135,9 @@ __global__ void __launch_bounds__(kThreads, kForwardMinCtasPerSm<kRows>) chunk_f
 }
 
 // running[i] merges the chunk's n_splits partial states of row i, in split order; on the last
-// chunk (row_lse != nullptr) it also writes row_lse[i].
-__global__ void __launch_bounds__(kThreads)
+// chunk (row_lse != nullptr) it also writes row_lse[i]. (The two merge kernels are static: this
+// header is included by the contrastive and the distillation .cu files, one definition each.)
+static __global__ void __launch_bounds__(kThreads)
     merge_row_partials_kernel(Lse* running, const Lse* row_partial, int64_t M, int n_splits, float* row_lse) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (i >= M) return;
@@ -147,7 +148,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // col_lse[begin + j] from the chunk's n_blocks row-block states of column j, in block order.
-__global__ void __launch_bounds__(kThreads)
+static __global__ void __launch_bounds__(kThreads)
     merge_col_partials_kernel(const Lse* col_partial, int64_t width, int n_blocks, int64_t begin, float* col_lse) {
   const int64_t j = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (j >= width) return;
