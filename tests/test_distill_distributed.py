@@ -53,7 +53,7 @@ def _run(loss, inputs, upstream):
     return torch.stack([contrastive.detach(), distill.detach()]), [t.grad for t in leaves]
 
 
-def _rank(rank, world_size):
+def _rank(rank, world_size, algorithm):
     worst = {}
 
     def check(key, got, want, tolerance, floor=1e-30):
@@ -77,7 +77,7 @@ def _rank(rank, world_size):
             if uniform and mode is not None:
                 continue
             ours = _run(clipshard.DistillClipLoss(local_loss, gather_with_grad, rank=rank, world_size=world_size,
-                                                  mode=mode, algorithm="torch"), inputs, upstream)
+                                                  mode=mode, algorithm=algorithm), inputs, upstream)
             theirs = _run(open_clip_loss(local_loss, gather_with_grad, rank=rank, world_size=world_size), inputs,
                           upstream)
             key = f"{local_loss}/{gather_with_grad}/{mode}"
@@ -109,7 +109,7 @@ def _rank(rank, world_size):
         # ring: blocks of 5 and 7 columns against rank 1's 9 rows run transposed
         for local_loss, gather_with_grad, mode in CONFIGS[:4] + CONFIGS[6:8]:
             loss = clipshard.DistillClipLoss(local_loss, gather_with_grad, rank=rank, world_size=world_size, mode=mode,
-                                             algorithm="torch", average_after_softmax=average_after_softmax)
+                                             algorithm=algorithm, average_after_softmax=average_after_softmax)
             leaves = [t.detach().float().clone().requires_grad_() for t in
                       [image[local], text[local], torch.tensor(30.0)]]
             teacher_leaves = [[t[local].float().clone().requires_grad_() for t in group]
@@ -149,6 +149,7 @@ def _rank(rank, world_size):
     return worst
 
 
-def test_distill_matches_open_clip_and_reference_on_three_ranks():
-    results = run_group(_rank, WORLD, timeout=300)
+@pytest.mark.parametrize("algorithm", ["torch", "auto"])  # "auto": the compiled kernels of this build
+def test_distill_matches_open_clip_and_reference_on_three_ranks(algorithm):
+    results = run_group(_rank, WORLD, algorithm, timeout=300)
     report_worst({k: max(r[k] for r in results) for k in results[0]})
