@@ -2,7 +2,6 @@
 the run without it (fp32 text tower, so that no stochastic rounding tells the runs apart) within
 1e-5 relative; a micro-batch size below 1 exits with a clear message."""
 import json
-import os
 import sys
 
 import pytest

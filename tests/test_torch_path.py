@@ -16,7 +16,7 @@ import torch
 
 import clipshard
 from clipshard import contrastive_lse, siglip_sum
-from clipshard.ops import _algorithm, _portable_chunks, portable_lse, portable_siglip
+from clipshard.ops import _algorithm, _portable_chunks, portable_lse
 from clipshard.ops.contrastive_lse import ALGORITHMS as LSE_ALGORITHMS
 from clipshard.reference import (clip_loss_reference, contrastive_lse_reference, siglip_loss_reference,
                                  siglip_sum_reference)
