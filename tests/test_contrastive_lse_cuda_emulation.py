@@ -1,6 +1,6 @@
 """The CUDA kernels of the fused contrastive log-sum-exp, run on the CPU.
 
-tests/cuda_emulation compiles the kernels' .cuh files as host C++ with one thread per CUDA thread,
+tests/cuda_emulation compiles the kernels' .cuh files as host C++ with one fiber per CUDA thread,
 barriers for __syncthreads, and host versions of the warp shuffles, ldmatrix and mma.sync written
 from the PTX fragment layouts, then compares every output with a double-precision reference:
 

@@ -1,7 +1,7 @@
 """The distillation op's CUDA kernels (csrc/cuda/distill_lse_kernels.cuh), run on the CPU.
 
 tests/cuda_emulation/emulate_distill.cpp compiles the kernels as host C++ through emulate_cuda.h
-(one thread per CUDA thread, barriers for __syncthreads, host warp shuffles), drives them chunk
+(one fiber per CUDA thread, barriers for __syncthreads, host warp shuffles), drives them chunk
 by chunk as csrc/cuda/distill_lse.cu does, and compares the forward's seven statistics and the
 backward's dS and dT^k with a double-precision reference of the op's formulas: fp32, bf16 and fp16
 dlogits, T = 1 and 2, scales up to 100, realistic upstream gradients (0.5 / 65536), and a negative

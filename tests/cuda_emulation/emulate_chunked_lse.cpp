@@ -217,7 +217,7 @@ int main(int argc, char** argv) {
       {20, 2900, 16, 5, 2048, 14.3f, 1.f, true, false, false},   // few rows: 8 column splits, then 4
       // Realistic upstream gradients, for the fp16 underflow they cause; with an H200's 16 column
       // splits this case alone would take most of the emulation's time (each CTA's shuffles are
-      // barriers of 256 host threads), so it keeps 2.
+      // barriers of its 256 emulated threads), so it keeps 2.
       {64, 16384, 64, 0, 4096, 14.3f, 0.f, true, false, true, true},
   };
   bool all = true;

@@ -1,15 +1,23 @@
 // Host emulation of the few CUDA features the FMA kernels of csrc/cuda/contrastive_lse_kernels.cuh
 // use, so that their indexing, masking and reductions can be checked on a machine without a GPU:
-// one std::thread per CUDA thread, one block at a time (so `static` locals are shared memory),
-// __syncthreads as a std::barrier, warp shuffles through a block-wide exchange buffer.
+// one fiber (a ucontext with its own stack) per CUDA thread, all on the calling thread, one block
+// at a time (so `static` locals are shared memory); __syncthreads switches to the next fiber, and a
+// block's fibers run round-robin from one barrier to the next; warp shuffles go through a
+// block-wide exchange buffer. Fibers instead of OS threads: a barrier costs a user-space context
+// switch instead of waking every thread of the block through the OS scheduler (on two cores the
+// chunked and distillation harnesses ran 2-3x longer with one std::thread per CUDA thread).
 // Not a CUDA simulator: no memory model, no warp divergence rules; all threads of a block must
-// reach every barrier and shuffle, which the kernels guarantee anyway.
+// reach every barrier and shuffle, which the kernels guarantee anyway (a block whose threads do not
+// stops the harness with a message).
 #pragma once
 
-#include <barrier>
+#include <ucontext.h>
+
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
 #include <memory>
-#include <thread>
 #include <vector>
 
 #define __device__
@@ -53,17 +61,28 @@ inline uint2 make_uint2(uint32_t x, uint32_t y) { return uint2(x, y); }
 struct dim3 {
   unsigned x = 0, y = 0, z = 0;
 };
-inline thread_local dim3 threadIdx, blockIdx;
+inline thread_local dim3 threadIdx, blockIdx, gridDim, blockDim;
 
+// One block's fibers: their contexts and stacks, where each one stands, and the scheduler's context.
 struct EmulatedBlock {
-  std::barrier<>* barrier;
+  enum State : char { kRunnable, kAtBarrier, kDone };
+  static constexpr size_t kStackBytes = 1 << 20;  // malloc maps it lazily: untouched pages cost nothing
+  std::vector<ucontext_t> fibers;
+  std::vector<std::unique_ptr<char[]>> stacks;
+  std::vector<State> states;
+  ucontext_t scheduler;
+  std::function<void()> body;  // the kernel with its arguments, run by every fiber
   float exchange[1024];
   const void* pointers[1024];
   uint32_t words[1024][6];
 };
 inline EmulatedBlock* g_block = nullptr;
 
-inline void __syncthreads() { g_block->barrier->arrive_and_wait(); }
+inline void __syncthreads() {
+  const unsigned t = threadIdx.x;
+  g_block->states[t] = EmulatedBlock::kAtBarrier;
+  swapcontext(&g_block->fibers[t], &g_block->scheduler);  // back here once every thread arrived
+}
 
 // Every thread publishes v, then reads lane `src_lane` of its own warp (own value if out of range).
 inline float emulated_shuffle(float v, int src_lane) {
@@ -85,30 +104,58 @@ inline float __shfl_down_sync(unsigned, float v, unsigned offset) {
   return emulated_shuffle(v, static_cast<int>(threadIdx.x % 32 + offset));
 }
 
-inline thread_local dim3 gridDim, blockDim;
+inline void emulated_fiber_main() {
+  g_block->body();
+  g_block->states[threadIdx.x] = EmulatedBlock::kDone;  // returns to uc_link, the scheduler
+}
 
-// kernel<<<grid, block>>>(params) for a 2-D grid, blocks one after another: `block` threads, created
-// once per launch, run every block in turn and meet at a barrier after each.
+// Runs one block: every fiber from the start of the kernel, then round-robin, each until its next
+// barrier, until all have returned. Every thread must reach the same barriers, as on a GPU.
+inline void emulate_block(EmulatedBlock& block) {
+  const unsigned n = static_cast<unsigned>(block.fibers.size());
+  for (unsigned t = 0; t < n; ++t) {
+    getcontext(&block.fibers[t]);
+    block.fibers[t].uc_stack.ss_sp = block.stacks[t].get();
+    block.fibers[t].uc_stack.ss_size = EmulatedBlock::kStackBytes;
+    block.fibers[t].uc_link = &block.scheduler;
+    makecontext(&block.fibers[t], emulated_fiber_main, 0);
+    block.states[t] = EmulatedBlock::kRunnable;
+  }
+  for (;;) {
+    unsigned done = 0;
+    for (unsigned t = 0; t < n; ++t) {
+      threadIdx.x = t;
+      swapcontext(&block.scheduler, &block.fibers[t]);
+      done += block.states[t] == EmulatedBlock::kDone;
+    }
+    if (done == n) return;
+    if (done != 0) {
+      std::fprintf(stderr, "emulate_cuda.h: %u of %u threads of block (%u, %u) returned while the others wait at "
+                   "a barrier\n", done, n, blockIdx.x, blockIdx.y);
+      std::abort();
+    }
+    for (auto& state : block.states) state = EmulatedBlock::kRunnable;
+  }
+}
+
+// kernel<<<grid, block>>>(params) for a 2-D grid, blocks one after another, each as `block` fibers.
 template <typename Kernel, typename Params>
 void emulate_launch(Kernel kernel, dim3 grid, unsigned block, const Params& params) {
-  std::barrier<> barrier(block);
   auto state = std::make_unique<EmulatedBlock>();
-  state->barrier = &barrier;
+  state->fibers.resize(block);
+  state->states.resize(block);
+  for (unsigned t = 0; t < block; ++t) state->stacks.emplace_back(new char[EmulatedBlock::kStackBytes]);
+  state->body = [&] { kernel(params); };
   g_block = state.get();
-  std::vector<std::thread> threads;
-  for (unsigned t = 0; t < block; ++t)
-    threads.emplace_back([&, t] {
-      threadIdx.x = t;
-      gridDim = grid;
-      for (unsigned by = 0; by < grid.y; ++by)
-        for (unsigned bx = 0; bx < grid.x; ++bx) {
-          blockIdx.x = bx;
-          blockIdx.y = by;
-          kernel(params);
-          barrier.arrive_and_wait();  // the block is done before the next one starts
-        }
-    });
-  for (auto& thread : threads) thread.join();
+  gridDim = grid;
+  blockDim = dim3{block, 1, 1};
+  for (unsigned by = 0; by < grid.y; ++by)
+    for (unsigned bx = 0; bx < grid.x; ++bx) {
+      blockIdx.x = bx;
+      blockIdx.y = by;
+      emulate_block(*state);
+    }
+  g_block = nullptr;
 }
 
 // kernel<<<grid, block>>>(params) for a 1-D grid.
