@@ -18,7 +18,8 @@ pytest.importorskip("open_clip_train.main", reason="open_clip_train or its data 
                                                    "braceexpand) are missing: pip install '.[open_clip]'")
 from PIL import Image, ImageDraw  # noqa: E402  (a dependency of open_clip's transforms)
 
-from clipshard.integrations.open_clip_train import main as clipshard_train_main, parse_clipshard_args  # noqa: E402
+from clipshard.integrations.open_clip_train import (  # noqa: E402
+    main as clipshard_train_main, numpy_scalars_loadable, parse_clipshard_args)
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
@@ -61,6 +62,21 @@ def test_clipshard_options_are_split_from_open_clip_train_arguments():
                                           "--clipshard-adamw"])
     assert (options.clipshard_text_dtype, options.clipshard_adamw, rest) == ("bfloat16", True, ["--model", "m", "--lr", "1"])
     assert parse_clipshard_args(["--clipshard-adam"])[1] == ["--clipshard-adam"]  # no abbreviations: open_clip_train rejects it
+
+
+def test_checkpoints_with_numpy_learning_rates_load_for_resume(tmp_path):
+    """open_clip_train 2.x writes each param group's lr as a numpy float64; its --resume loads with
+    torch's default weights_only=True, which the entry point lets load numpy scalars."""
+    import numpy
+    path = tmp_path / "epoch_1.pt"
+    torch.save({"optimizer": {"param_groups": [{"lr": numpy.float64(0.25)}]}, "w": torch.arange(3.0)}, path)
+    with pytest.raises(Exception, match="Weights only load failed"):
+        torch.load(path)
+    with numpy_scalars_loadable():
+        loaded = torch.load(path)
+    assert loaded["optimizer"]["param_groups"][0]["lr"] == 0.25 and loaded["w"].tolist() == [0.0, 1.0, 2.0]
+    with pytest.raises(Exception, match="Weights only load failed"):  # only inside the entry point
+        torch.load(path)
 
 
 def _train_option(name):

@@ -10,7 +10,8 @@ CoCaLoss), and with the paper's recipe as options:
 and open_clip_train's own --accum-freq K runs as a clipshard.GradCache step (the loss evaluated once
 per step instead of K times; open_clip_grad_cache.py).
 It also lets open_clip_train's DDP run on CPU: open_clip_train passes device_ids=[device] for CPU
-modules too, which torch refuses; here CPU device_ids become None (GPU runs are unaffected).
+modules too, which torch refuses; here CPU device_ids become None (GPU runs are unaffected). And
+open_clip_train 2.x's --resume works with torch >= 2.6 (numpy_scalars_loadable).
 Everything is put back when main() returns. docs/open_clip.md.
 """
 import argparse
@@ -123,6 +124,16 @@ def _check_options(options, args):
                          f"{'--horovod' if args.horovod else '--distill-model'}")
 
 
+def numpy_scalars_loadable():
+    """torch.load's weights_only mode (torch's default from 2.6, which open_clip_train's pt_load uses
+    for --resume) with numpy's scalars and dtypes allowed. open_clip_train 2.x's cosine schedule sets
+    each param group's lr to a numpy float64 (np.cos), so its checkpoints hold numpy scalars, which
+    weights_only refuses by default; they are data, not code. 3.x computes the lr with math.cos."""
+    import numpy
+    scalar_reconstructor = numpy.float64(0).__reduce__()[0]  # numpy 1 and 2 keep it in different modules
+    return torch.serialization.safe_globals([scalar_reconstructor, numpy.dtype, type(numpy.dtype(numpy.float64))])
+
+
 def _grad_cache_hooks(stack, train_main, args):
     """--accum-freq K: one batch of K x --batch-size per step through GradCache."""
     if args.accum_freq == 1:
@@ -158,6 +169,7 @@ def main(argv=None):
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(_replaced(torch.nn.parallel, "DistributedDataParallel", _CpuDeviceIdsDDP))
+            stack.enter_context(numpy_scalars_loadable())
             stack.enter_context(_replaced(train_main, "create_loss", _loss_hook(train_main.create_loss, patch)))
             _grad_cache_hooks(stack, train_main, args)
             dtype = _DTYPES[options.clipshard_text_dtype]
