@@ -6,6 +6,8 @@ from collections.abc import Mapping
 
 import torch
 
+from clipshard.parallel import collectives
+
 FN = "GradCache"
 FEATURES = ("image_features", "text_features")
 UNBATCHED = ("logit_scale", "logit_bias")  # dict keys (tuple positions 2, 3) that have no batch dimension
@@ -176,15 +178,8 @@ def _process_group(model):
 
 
 def raise_on_every_rank(model, error):
-    """Raises `error` (an exception or None) here and a matching error on every other rank of the
-    model's group, so that one rank's bad input never leaves the others waiting in a collective."""
-    group = _process_group(model)
-    if group is not None:
-        on_cpu = torch.distributed.get_backend(group) == "gloo"
-        device = "cpu" if on_cpu else next(model.parameters()).device
-        flag = torch.tensor([0 if error is None else 1], device=device)
-        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX, group=group)
-        if error is None and flag.item():
-            raise ValueError(f"{FN}: another rank refused its input (its error says why); nothing was run")
-    if error is not None:
-        raise error
+    """Raises `error` (an exception made here, its message starting with FN, or None) here and an
+    error naming this rank on every other rank of the model's group, so that one rank's bad input
+    never leaves the others waiting in a collective (collectives.raise_on_every_rank)."""
+    problem = None if error is None else (type(error), str(error).removeprefix(f"{FN}: "))
+    collectives.raise_on_every_rank(FN, problem, _process_group(model))
