@@ -209,12 +209,13 @@ def _exit_codes(stderr):
 
 def test_a_refused_resume_ends_every_rank_with_its_message_never_by_a_signal(tmp_path):
     """No step common to both ranks: both refuse. A rank still leaving the process group when the
-    other had exited used to be stopped by torchrun's SIGTERM (or to abort) in about 1 try of 3."""
+    other had exited used to be stopped by torchrun's SIGTERM (or to abort) in about 1 try of 3, so
+    three tries catch that race's return about 7 times in 10 (each try is a 2-rank torchrun)."""
     os.makedirs(checkpoint_dir(tmp_path))
     for name in ("rank0-step2.pt", "rank1-step4.pt"):  # the refusal needs only the file names
         open(os.path.join(checkpoint_dir(tmp_path), name), "wb").close()
     message = f"--resume: no step has a checkpoint of every rank in {checkpoint_dir(tmp_path)} (rank 0: [2]; rank 1: [4])"
-    for attempt in range(10):
+    for attempt in range(3):
         done = run_example(tmp_path, "--resume")
         assert _exit_codes(done.stderr) == [1, 1], (attempt, done.stderr[-3000:])
         assert done.stderr.count(message) == 2 and "Signal" not in done.stderr, (attempt, done.stderr[-3000:])
