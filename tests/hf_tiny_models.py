@@ -2,6 +2,8 @@
 installed transformers has, and random inputs for them (no hub: configs are built here), plus the
 few calls whose names differ between transformers 4.5x and 5.x. Used by tests/test_transformers_*.py
 and tests/hf_trainer_runner.py, in every venv of the version matrix (`make test-matrix`)."""
+import contextlib
+
 import torch
 
 VOCAB, TOKENS, IMAGE, PATCH, CHANNELS, HIDDEN, PROJECTION = 40, 7, 8, 4, 1, 16, 8
@@ -109,3 +111,16 @@ def enable_checkpointing(model):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+@contextlib.contextmanager
+def fp64_default_dtype():
+    """torch's default dtype set to float64 for an fp64 model's forward (and a GradCache backward,
+    which re-runs it): transformers 4.50 builds CLIP's causal mask as torch.full(finfo(model
+    dtype).min) in the default dtype, which overflows float32 for an fp64 model."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(default)

@@ -13,7 +13,7 @@ pytest.importorskip("transformers", reason="transformers is not installed: pip i
 
 import clipshard  # noqa: E402
 from dist_utils import run_group  # noqa: E402
-from hf_tiny_models import gradient_errors, tiny_inputs, tiny_model  # noqa: E402
+from hf_tiny_models import fp64_default_dtype, gradient_errors, tiny_inputs, tiny_model  # noqa: E402
 
 MICRO = 2
 
@@ -25,8 +25,9 @@ def _step(name, inputs, micro_batch_size, wrap=lambda m: m):
     try:
         wrapped = wrap(model)
         inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
-        loss = wrapped(**inputs, return_loss=True).loss
-        (loss * 0.1).backward()
+        with fp64_default_dtype():
+            loss = wrapped(**inputs, return_loss=True).loss
+            (loss * 0.1).backward()
     finally:
         patch.undo()
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -47,7 +48,7 @@ def test_evaluation_calls_return_the_usual_output():
     inputs = {k: v.double() if v.is_floating_point() else v for k, v in tiny_inputs("CLIPModel", 5, 4).items()}
     patch = clipshard.apply_to_transformers(micro_batch_size=MICRO)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), fp64_default_dtype():
             output = model(**inputs, return_loss=True)
     finally:
         patch.undo()

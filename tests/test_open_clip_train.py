@@ -29,15 +29,17 @@ TEXT_TOWER = ("transformer.", "token_embedding.", "positional_embedding", "ln_fi
 TINY_CLIP = {"embed_dim": 32,
              "vision_cfg": {"image_size": 32, "layers": 1, "width": 32, "head_width": 16, "patch_size": 8},
              "text_cfg": {"context_length": 16, "vocab_size": 49408, "width": 32, "heads": 2, "layers": 1}}
+TINY_TEACHER = {**TINY_CLIP, "embed_dim": 48}  # a wider embedding than the student's
 COLOURS = {"red": (220, 30, 30), "green": (30, 170, 30), "blue": (30, 60, 220), "yellow": (230, 200, 40)}
 
 
 def write_data(root):
-    """A model config directory (model tiny_clip, registered in each rank with open_clip.add_model_config:
-    the `local-dir:` schema is newer than open_clip 2.26) and a tab-separated CSV of 64 drawn shapes
+    """A model config directory (models tiny_clip and tiny_teacher, registered in each rank with
+    open_clip.add_model_config: the `local-dir:` schema is newer than open_clip 2.26) and a tab-separated CSV of 64 drawn shapes
     with captions such as 'a red circle'."""
     (root / "model").mkdir()
     (root / "model" / "tiny_clip.json").write_text(json.dumps(TINY_CLIP))
+    (root / "model" / "tiny_teacher.json").write_text(json.dumps(TINY_TEACHER))
     rng = random.Random(0)
     rows = ["filepath\ttitle"]
     for i in range(SAMPLES):
@@ -143,25 +145,19 @@ def test_fp32_losses_match_stock_open_clip_train(data, tmp_path, flags):
 
 
 def write_teacher(root):
-    """A small random teacher of a wider embedding (48 vs the student's 32) saved to a file in a
-    model directory: `--distill-model local-dir:DIR` loads DIR's open_clip_pytorch_model.bin, the
-    file given as --distill-pretrained (open_clip_train needs both to distill)."""
+    """A small random teacher (config tiny_teacher) saved to a file, the --distill-pretrained that
+    open_clip_train needs besides --distill-model to distill."""
     import open_clip
-    teacher = root / "teacher"
-    teacher.mkdir()
-    config = {**TINY_CLIP, "embed_dim": 48}
-    (teacher / "open_clip_config.json").write_text(json.dumps({"model_cfg": config}))
     torch.manual_seed(1)
-    checkpoint = teacher / "open_clip_pytorch_model.bin"
-    torch.save(open_clip.create_model(f"local-dir:{teacher}").state_dict(), checkpoint)
-    return teacher, checkpoint
+    checkpoint = root / "teacher.pt"
+    torch.save(open_clip.CLIP(**TINY_TEACHER).state_dict(), checkpoint)
+    return checkpoint
 
 
 def test_distill_losses_match_stock_open_clip_train(data, tmp_path):
     """--distill-model with a local teacher checkpoint: clipshard's DistillClipLoss gives stock
     open_clip_train's contrastive and distillation losses at every step (fp32, 1e-5)."""
-    teacher, checkpoint = write_teacher(tmp_path)
-    flags = ["--epochs", "1", "--distill-model", f"local-dir:{teacher}", "--distill-pretrained", str(checkpoint)]
+    flags = ["--epochs", "1", "--distill-model", "tiny_teacher", "--distill-pretrained", str(write_teacher(tmp_path))]
     stock, _ = _train(data, tmp_path, "stock", "stock", *flags)
     ours, log = _train(data, tmp_path, "clipshard", "clipshard", *flags)
     for rank in range(RANKS):

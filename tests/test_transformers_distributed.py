@@ -16,7 +16,7 @@ pytest.importorskip("transformers", reason="transformers is not installed: pip i
 import clipshard  # noqa: E402
 from clipshard.reference import clip_loss_reference, siglip_loss_reference  # noqa: E402
 from dist_utils import report_worst, run_group  # noqa: E402
-from hf_tiny_models import BUILDERS, gradient_errors, rows, tiny_inputs, tiny_model  # noqa: E402
+from hf_tiny_models import BUILDERS, fp64_default_dtype, gradient_errors, rows, tiny_inputs, tiny_model  # noqa: E402
 
 # local batch sizes per world size: equal ones, then an unequal last batch
 SIZES = {1: [[5]], 2: [[4, 4], [5, 2]], 3: [[3, 3, 3], [4, 1, 3]]}
@@ -65,12 +65,8 @@ def _reference(name, sizes):
     model = tiny_model(name).double()
     inputs = tiny_inputs(name, sum(sizes), _seed(sizes))
     inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)  # 4.50's causal mask is torch.full(finfo(model dtype).min) in the default dtype
-    try:
+    with fp64_default_dtype():
         out = model(**inputs)
-    finally:
-        torch.set_default_dtype(default)
     scale = model.logit_scale.exp()
     if name.startswith("Siglip"):
         loss = siglip_loss_reference(out.image_embeds, out.text_embeds, scale, model.logit_bias)
