@@ -13,7 +13,10 @@ The accumulation comparison runs open_clip_train's --accum-freq K as its train.p
 micro-batches' features under no_grad, then per micro-batch a forward with grad, the loss of the
 whole accumulated batch with that micro-batch's features swapped in, and a backward: K loss
 evaluations a step) and GradCache over the same K micro-batches, --steps AdamW steps each from
-the same weights and data, and reports the step time and the largest per-step loss difference.
+the same weights and data, and reports the step time, the largest per-step loss difference and
+the share of open_clip's step its K loss evaluations take (K x the loss alone on the whole batch).
+That table uses its own, smaller towers (--accum-layers x --accum-width) and a large batch, where
+the loss is a visible share of the step; with the first table's towers it is a percent or two.
 
     python benchmarks/bench_grad_cache.py --json bench_results/grad_cache_cpu.json
 """
@@ -100,7 +103,7 @@ def batch_rows(args, device):
             "plain+checkpointing": lambda: plain_step(models[True], loss_fn, images, texts),
             f"GradCache m={args.micro}": lambda: grad_cache_step(models[False], loss_fn, images, texts, args.micro),
         }
-        features = [torch.randn(size, args.width, device=device).requires_grad_() for _ in range(2)]
+        features = unit_features(size, args.width, device)
         configs["loss alone"] = lambda: loss_fn(*features, torch.tensor(14.3, device=device)).backward()
         results = {}
         for name, fn in configs.items():
@@ -114,12 +117,27 @@ def batch_rows(args, device):
     return rows
 
 
+def unit_features(size, width, device):
+    """Two random leaf feature tensors of unit rows, as CLIP's towers return them (unnormalised
+    N(0, 1) rows give logits in the thousands, whose exp is slower on the CPU)."""
+    gen = torch.Generator().manual_seed(size)
+    return [torch.nn.functional.normalize(torch.randn(size, width, generator=gen), dim=-1).to(device).requires_grad_()
+            for _ in range(2)]
+
+
+def loss_alone_seconds(loss_fn, size, width, device, repeats):
+    """Median time of the loss's forward and backward on `size` random feature pairs."""
+    features = unit_features(size, width, device)
+    scale = torch.tensor(14.3, device=device)
+    return time_repeats(lambda: loss_fn(*features, scale).backward(), device, repeats)["median_s"]
+
+
 def accumulation_rows(args, device):
     loss_fn = clipshard.ClipLoss()
-    base = build_model(args.layers, args.width, device)
+    base = build_model(args.accum_layers, args.accum_width, device)
     rows = []
     for k in args.accum:
-        size = k * args.micro
+        size = k * args.accum_micro
         batches = [make_batch(size, 1000 * k + s, device) for s in range(args.steps)]
         trajectories = {}
         for name, step in (("open_clip --accum-freq", open_clip_accum_step), ("clipshard GradCache", grad_cache_step)):
@@ -127,18 +145,20 @@ def accumulation_rows(args, device):
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
             losses = []
             for images, texts in batches:
-                losses.append(step(model, loss_fn, images, texts, args.micro).item())
+                losses.append(step(model, loss_fn, images, texts, args.accum_micro).item())
                 opt.step()
-            timing = time_repeats(lambda: step(model, loss_fn, *batches[0], args.micro), device, args.repeats)
+            timing = time_repeats(lambda: step(model, loss_fn, *batches[0], args.accum_micro), device, args.repeats)
             trajectories[name] = (losses, timing)
         ours, theirs = trajectories["clipshard GradCache"], trajectories["open_clip --accum-freq"]
         difference = max(abs(a - b) / abs(b) for a, b in zip(ours[0], theirs[0]))
+        # the share of open_clip's step its K full-batch loss evaluations take
+        loss_share = k * loss_alone_seconds(loss_fn, size, args.accum_width, device, args.repeats) / theirs[1]["median_s"]
         for name, (losses, timing) in trajectories.items():
             rows.append({"K": k, "M": size, "config": name, **timing, "losses": losses,
                          "time_vs_open_clip": timing["median_s"] / theirs[1]["median_s"],
-                         "max_loss_difference": difference})
-        print(f"  K = {k}: open_clip {theirs[1]['median_s']:.3f} s, GradCache {ours[1]['median_s']:.3f} s, "
-              f"per-step losses within {difference:.1e}", flush=True)
+                         "max_loss_difference": difference, "open_clip_loss_share": loss_share})
+        print(f"  K = {k}: open_clip {theirs[1]['median_s']:.3f} s (its {k} loss evaluations {100 * loss_share:.0f} %), "
+              f"GradCache {ours[1]['median_s']:.3f} s, per-step losses within {difference:.1e}", flush=True)
     return rows
 
 
@@ -151,18 +171,25 @@ STEP_COLUMNS = [("M", lambda r: str(r["M"])), ("step", lambda r: r["config"], "<
 ACCUMULATION_COLUMNS = [("K", lambda r: str(r["K"])), ("M", lambda r: str(r["M"])), ("step", lambda r: r["config"], "<"),
                         ("median s", lambda r: f"{r['median_s']:.3f}"),
                         ("time/open_clip", lambda r: f"{r['time_vs_open_clip']:.2f}"),
+                        ("loss share of open_clip", lambda r: f"{100 * r['open_clip_loss_share']:.0f} %"),
                         ("max rel. loss diff", lambda r: f"{r['max_loss_difference']:.1e}")]
 
 
 def main():
     parser = parser_with_common_arguments(__doc__)
-    parser.add_argument("--sizes", type=int, nargs="*", default=[128, 256, 512, 1024],
-                        help="local batch sizes M (none: skip the first table)")
-    parser.add_argument("--micro", type=int, default=64, help="GradCache micro-batch (and open_clip's --batch-size)")
+    parser.add_argument("--sizes", type=int, nargs="*", default=[256, 512, 1024, 2048, 4096],
+                        help="local batch sizes M of the first table (none: skip it)")
+    parser.add_argument("--micro", type=int, default=128, help="GradCache's micro-batch in the first table")
+    parser.add_argument("--layers", type=int, default=4, help="layers of each tower (first table)")
+    parser.add_argument("--width", type=int, default=256, help="width of each tower and of the features (first table)")
     parser.add_argument("--accum", type=int, nargs="*", default=[4, 8],
-                        help="accumulation steps K (none: skip the second table)")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=128)
+                        help="accumulation steps K of the second table (none: skip it)")
+    parser.add_argument("--accum-micro", type=int, default=512,
+                        help="micro-batch (open_clip's --batch-size) of the second table: M = K x this")
+    parser.add_argument("--accum-layers", type=int, default=1,
+                        help="layers of each tower in the second table: small towers and a large M, where the "
+                             "loss is a visible share of the step")
+    parser.add_argument("--accum-width", type=int, default=128, help="tower and feature width of the second table")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps (0: measure memory only)")
     parser.add_argument("--steps", type=int, default=3, help="AdamW steps of the accumulation comparison")
     args = parser.parse_args()
@@ -175,7 +202,8 @@ def main():
     accumulation = accumulation_rows(args, device)
     if accumulation:
         print_table(ACCUMULATION_COLUMNS, accumulation,
-                    title=f"open_clip's --accum-freq K vs GradCache, micro-batch {args.micro}, {args.steps} AdamW steps")
+                    title=f"open_clip's --accum-freq K vs GradCache: {args.accum_layers} x {args.accum_width} towers, "
+                          f"micro-batch {args.accum_micro}, {args.steps} AdamW steps")
     write_json(args.json, {"meta": {**run_metadata(device), **vars(args)}, "steps": rows, "accumulation": accumulation})
 
 
