@@ -1,7 +1,7 @@
-"""Hostile inputs in one process (issue 23): what apply_to_transformers' report says about subclasses
-that override forward and about torch.compile'd models (item 3), and the CLIPSHARD_* environment
-variables of the compiled extension (item 5): every known spelling honoured, anything else refused
-naming the variable."""
+"""Hostile inputs in one process (issue 23): the CLIPSHARD_* environment variables of the compiled
+extension (item 5): every known spelling honoured, anything else refused naming the variable. What
+apply_to_transformers' report says about subclasses that override forward and about torch.compile'd
+models (item 3) is tested in test_transformers_patch.py."""
 import os
 import subprocess
 import sys
@@ -55,54 +55,3 @@ def test_cpu_isa_variable_refuses_unknown_values():
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("ValueError") and "CLIPSHARD_CPU_ISA must be one of avx512, avx2, baseline " \
                                                    "(or unset), got \"avx-2\"" in run.stdout, run.stdout
-
-
-transformers = pytest.importorskip("transformers",
-                                   reason="transformers is not installed: pip install '.[transformers]'")
-
-from clipshard.integrations import transformers_loss  # noqa: E402
-from hf_tiny_models import tiny_model  # noqa: E402
-
-
-@pytest.fixture
-def patch():
-    patch = clipshard.apply_to_transformers()
-    yield patch
-    patch.undo()
-
-
-class _OwnForward(transformers.CLIPModel):
-    """A user's CLIPModel with its own forward and its own local loss (item 3)."""
-
-    def forward(self, *args, return_loss=None, **kwargs):
-        output = super().forward(*args, **kwargs)
-        output.loss = output.logits_per_image.diagonal().mean() if return_loss else None
-        return output
-
-
-class _KeepsForward(transformers.CLIPModel):
-    pass
-
-
-def test_report_says_a_subclass_that_overrides_forward_is_left_alone(patch):
-    """Item 3: covers() said True and report() "clipshard's global-batch loss" for a subclass whose
-    own forward (with its own loss) runs unpatched."""
-    assert not patch.covers(_OwnForward)
-    assert patch.report(_OwnForward) == (
-        "_OwnForward: left alone, its own _OwnForward.forward overrides CLIPModel's and computes its own loss "
-        "(clipshard's runs only if it calls CLIPModel.forward with return_loss=True)")
-    assert patch.covers(_KeepsForward)
-    assert patch.report(_KeepsForward) == "_KeepsForward: clipshard's global-batch loss (clip family)"
-
-
-def test_report_and_loss_from_embeddings_look_through_torch_compile(patch):
-    """Wider search (every patch report): a torch.compile'd model (an OptimizedModule around the
-    model, whose forward is the patched one) was reported as left alone, and loss_from_embeddings
-    refused it. Wrapping compiles nothing yet, so this costs no compilation."""
-    model = tiny_model("CLIPModel")
-    compiled = torch.compile(model)
-    assert patch.covers(compiled) and patch.report(compiled) == "CLIPModel: clipshard's global-batch loss (clip family)"
-    generator = torch.Generator().manual_seed(4)
-    image, text = (torch.nn.functional.normalize(torch.randn(5, 8, generator=generator), dim=1) for _ in range(2))
-    want = transformers_loss.loss_from_embeddings(model, image, text)
-    assert torch.equal(transformers_loss.loss_from_embeddings(compiled, image, text), want)

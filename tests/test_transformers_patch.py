@@ -1,7 +1,8 @@
 """apply_to_transformers() in one process: the loss of every covered class against the model's own loss
 and the fp64 reference, logits=False, undo, an uncovered class, refusals, bf16 autocast, gradient
-checkpointing, loss_from_output; `import clipshard` without transformers or open_clip (the package's
-layering: tests/test_package_layout.py)."""
+checkpointing, loss_from_output; subclasses that override forward and torch.compile'd models in the
+report; `import clipshard` without transformers or open_clip (the package's layering:
+tests/test_package_layout.py)."""
 import subprocess
 import sys
 import warnings
@@ -17,7 +18,6 @@ from clipshard.integrations import transformers_loss, transformers_patch  # noqa
 from clipshard.reference import clip_loss_reference, siglip_loss_reference  # noqa: E402
 from clipshard.integrations import supported_import  # noqa: E402
 from hf_tiny_models import BUILDERS, enable_checkpointing, gradient_errors, tiny_inputs, tiny_model  # noqa: E402
-
 
 
 @pytest.fixture
@@ -175,6 +175,45 @@ def _bf16_and_checkpointing(model, inputs, own):
         model(**inputs, return_loss=True).loss.backward()
     for param, grad in plain.items():
         torch.testing.assert_close(model.get_parameter(param).grad, grad, rtol=0, atol=0, msg=param)
+
+
+# ---- subclasses and compiled models in the report (issue 23, item 3) ----------------------------
+
+class _OwnForward(transformers.CLIPModel):
+    """A user's CLIPModel with its own forward and its own local loss (item 3)."""
+
+    def forward(self, *args, return_loss=None, **kwargs):
+        output = super().forward(*args, **kwargs)
+        output.loss = output.logits_per_image.diagonal().mean() if return_loss else None
+        return output
+
+
+class _KeepsForward(transformers.CLIPModel):
+    pass
+
+
+def test_report_says_a_subclass_that_overrides_forward_is_left_alone(patch):
+    """Item 3: covers() said True and report() "clipshard's global-batch loss" for a subclass whose
+    own forward (with its own loss) runs unpatched."""
+    assert not patch.covers(_OwnForward)
+    assert patch.report(_OwnForward) == (
+        "_OwnForward: left alone, its own _OwnForward.forward overrides CLIPModel's and computes its own loss "
+        "(clipshard's runs only if it calls CLIPModel.forward with return_loss=True)")
+    assert patch.covers(_KeepsForward)
+    assert patch.report(_KeepsForward) == "_KeepsForward: clipshard's global-batch loss (clip family)"
+
+
+def test_report_and_loss_from_embeddings_look_through_torch_compile(patch):
+    """Wider search (every patch report): a torch.compile'd model (an OptimizedModule around the
+    model, whose forward is the patched one) was reported as left alone, and loss_from_embeddings
+    refused it. Wrapping compiles nothing yet, so this costs no compilation."""
+    model = tiny_model("CLIPModel")
+    compiled = torch.compile(model)
+    assert patch.covers(compiled) and patch.report(compiled) == "CLIPModel: clipshard's global-batch loss (clip family)"
+    generator = torch.Generator().manual_seed(4)
+    image, text = (torch.nn.functional.normalize(torch.randn(5, 8, generator=generator), dim=1) for _ in range(2))
+    want = transformers_loss.loss_from_embeddings(model, image, text)
+    assert torch.equal(transformers_loss.loss_from_embeddings(compiled, image, text), want)
 
 
 # ---- versions: every class this release has, no warning on tested releases, newer ones ------------
