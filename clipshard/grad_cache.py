@@ -69,6 +69,8 @@ class GradCache:
         self.model, self.loss_fn, self.micro_batch_size = model, loss_fn, micro_batch_size
         self.allow_batch_norm = allow_batch_norm
         self.parameters = None if parameters is None else [p for p in _tensor_list(parameters) if p.requires_grad]
+        if self.parameters is not None:
+            _check_covers_the_model(model, self.parameters)
 
     def __call__(self, images, texts):
         """The loss of the whole batch (a 0-dim tensor). Its backward re-runs the model per
@@ -101,12 +103,26 @@ def _tensor_list(parameters):
     if torch.is_tensor(parameters) or not hasattr(parameters, "__iter__"):
         raise TypeError(f"{FN}: parameters must be an iterable of tensors (such as model.parameters()) or None, "
                         f"got {'a tensor' if torch.is_tensor(parameters) else type(parameters).__name__}")
-    tensors = list(parameters)
-    for index, p in enumerate(tensors):
+    tensors = {}
+    for index, p in enumerate(parameters):
         if not torch.is_tensor(p):
             raise TypeError(f"{FN}: parameters must be an iterable of tensors, got {type(p).__name__} at "
                             f"position {index}")
-    return tensors
+        tensors.setdefault(id(p), p)  # a tensor listed twice would get its gradient twice
+    return list(tensors.values())
+
+
+def _check_covers_the_model(model, parameters):
+    """In `parameters` mode only the listed tensors get the re-runs' gradients: a trainable parameter
+    of an nn.Module model left out would silently get none, where the plain step gives it one."""
+    if not isinstance(model, torch.nn.Module):
+        return
+    listed = {id(p) for p in parameters}
+    missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in listed]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"{FN}: parameters must hold every trainable parameter of the model (model.parameters()); "
+                         f"it misses {shown}, which would get no gradient (set requires_grad=False to freeze them)")
 
 
 def _graph_leaves(tensor, known):

@@ -313,3 +313,22 @@ def test_a_loss_that_does_not_require_grad_is_refused():
         clipshard.GradCache(model, detached, 5)(*batch(M, 14))
     with torch.no_grad():  # evaluation: the loss value, as before
         clipshard.GradCache(model, detached, 5)(*batch(M, 14))
+
+
+def test_parameters_listed_twice_or_left_out_do_not_change_the_gradients_silently():
+    """A tensor listed twice in `parameters` gets its gradient once (it used to get it twice); a
+    trainable parameter of the model left out is refused (it used to get no gradient)."""
+    images, tokens = batch(M, 15)
+    results = []
+    for parameters in (lambda m: m.parameters(), lambda m: list(m.parameters()) * 2):
+        model = TinyClip(with_bias=False)
+        clipshard.GradCache(model, clipshard.ClipLoss(), 5, parameters=parameters(model))(images, tokens).backward()
+        results.append(grads(model))
+    assert max_relative_difference(*results) <= 1e-12
+    model = TinyClip(with_bias=False)
+    with pytest.raises(ValueError, match=r"parameters must hold every trainable parameter of the model .*it misses "
+                                         r"logit_scale, text.0.weight, text.2.weight, text.2.bias, which would get no"):
+        clipshard.GradCache(model, clipshard.ClipLoss(), 5, parameters=model.image.parameters())
+    model.text.requires_grad_(False)
+    model.logit_scale.requires_grad_(False)
+    clipshard.GradCache(model, clipshard.ClipLoss(), 5, parameters=model.image.parameters())(images, tokens).backward()
