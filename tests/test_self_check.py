@@ -199,8 +199,8 @@ def test_known_answers_are_the_references_bits_and_the_cpu_kernels():
 
 def test_the_invariants_catch_a_wrong_update_and_a_value_off_its_neighbours():
     """Without the known answers: an AdamW step that forgets the weight decay breaks the fp64
-    bounds, a rounding result one 16-bit step beyond its neighbours is counted, a NaN other than the
-    canonical one too."""
+    bounds; a rounding result one 16-bit step beyond its neighbours is counted, a NaN other than the
+    canonical one too, and a zero whose sign flipped."""
     tensors = bit_checks.adamw_state(torch.float32, torch.float32)
     decayed = [[t.clone() for t in group] for group in tensors]
     for group in decayed:
@@ -215,6 +215,9 @@ def test_the_invariants_catch_a_wrong_update_and_a_value_off_its_neighbours():
         other_nan = torch.where(torch.isnan(x), torch.tensor(0x7E01 if dtype == torch.float16 else 0x7FC1,
                                                              dtype=torch.int32).to(torch.int16).view(dtype), good)
         assert bit_checks._rounding_violations(x, other_nan, dtype) == int(torch.isnan(x).sum()), dtype
+        zero = good == 0
+        assert 2 <= int(zero.sum())  # +0 and -0 at least
+        assert bit_checks._rounding_violations(x, torch.where(zero, -good, good), dtype) == int(zero.sum()), dtype
 
 
 BREAK_ADAMW = textwrap.dedent("""

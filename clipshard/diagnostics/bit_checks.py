@@ -90,15 +90,12 @@ def _above(x, dtype):
 
 
 def _outside(got, low, high):
-    """Which stored 16-bit values lie outside [low, high] (fp64 bounds, NaN where a NaN is wanted):
-    a wanted NaN must be the canonical NaN, a zero must keep the sign of a zero bound."""
+    """Which stored 16-bit values lie outside the neighbours of [low, high] (fp64 bounds, NaN where
+    a NaN is wanted, which must be the canonical NaN)."""
     got = got.detach().cpu()
     lo, hi = _below(low, got.dtype), _above(high, got.dtype)
-    nan = torch.isnan(low)
     inside = (got.double() >= lo.double()) & (got.double() <= hi.double())
-    zero = (low == 0) & (high == 0)  # an exact zero: the sign too
-    inside &= ~zero | (torch.signbit(got) == torch.signbit(low))
-    return torch.where(nan, _bits(got) != _CANONICAL_NAN_BITS[got.dtype], ~inside)
+    return torch.where(torch.isnan(low), _bits(got) != _CANONICAL_NAN_BITS[got.dtype], ~inside)
 
 
 # --- stochastic rounding ------------------------------------------------------------------------
@@ -122,9 +119,10 @@ def _stochastic_round(x, dtype, device):
 
 
 def _rounding_violations(x, got, dtype):
-    """Results that are not a neighbour of their input (or break a special-value rule)."""
+    """Results that are not a neighbour of their input, or break a special-value rule: the sign is
+    kept (a zero's too), fp16 magnitudes from 65536 on become Inf."""
     x = x.double()
-    bad = _outside(got, x, x)
+    bad = _outside(got, x, x) | (~torch.isnan(x) & (torch.signbit(got) != torch.signbit(x)))
     if dtype == torch.float16:
         bad |= (x.abs() >= _FP16_INF_FROM) & ~torch.isinf(got)
     return int(bad.sum())
