@@ -289,3 +289,13 @@ def test_checking_nothing_is_not_a_pass(monkeypatch):
     assert not report["passed"] and report["problems"] == ["no kernel check ran"]
     assert exit_status(report) == 2
     assert "PROBLEM: no kernel check ran" in format_results(report)
+
+
+def test_a_build_without_a_devices_bit_exact_kernels_has_nothing_to_check_there(monkeypatch):
+    """A CPU-only (or ROCm) build on a GPU machine: stochastic rounding and AdamW have no kernel for
+    the GPU, which is not a kernel that failed its check (it used to be a failed row, and the
+    advice to report a kernel disagreeing)."""
+    monkeypatch.setattr(bit_checks._algorithm, "has_compiled_kernel", lambda operator, device_type: device_type == "cpu")
+    gpu = torch.device("cuda", 0)
+    assert list(bit_checks.check_stochastic_round(gpu)) == [] and list(bit_checks.check_adamw(gpu)) == []
+    assert len(list(bit_checks.check_stochastic_round(torch.device("cpu")))) == 2

@@ -22,6 +22,7 @@ import torch
 
 from clipshard._random import as_int64
 from clipshard.diagnostics.measurement import Measurement
+from clipshard.ops import _algorithm
 
 _CANONICAL_NAN_BITS = {torch.float32: 0x7FC00000, torch.float16: 0x7E00, torch.bfloat16: 0x7FC0}
 _FP16_INF_FROM = 65536.0  # the fp16 grid point after 65504: larger magnitudes always round to Inf
@@ -129,6 +130,8 @@ def _rounding_violations(x, got, dtype):
 
 
 def check_stochastic_round(device):
+    if not _algorithm.has_compiled_kernel("clipshard::stochastic_round", device.type):
+        return  # a build without this device's kernels (CPU-only, ROCm): nothing compiled to check
     x = rounding_input()
     for dtype in (torch.float16, torch.bfloat16):
         got = _stochastic_round(x, dtype, device)
@@ -225,6 +228,8 @@ def _update_violations(before, after):
 
 
 def check_adamw(device):
+    if not _algorithm.has_compiled_kernel("clipshard::adamw_step_", device.type):
+        return  # as for stochastic rounding
     for param_dtype in _STORAGE:
         for state_dtype in _STORAGE:
             tensors = adamw_state(param_dtype, state_dtype)
