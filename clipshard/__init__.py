@@ -22,7 +22,8 @@ __all__ = ["ClipLoss", "DistillClipLoss", "GradCache", "SigLipLoss", "apply_to_o
 
 
 def __getattr__(name):
-    """text_tower_to_half_precision_ needs open_clip and self_check numpy, so they are imported on first use."""
+    """text_tower_to_half_precision_ needs open_clip, and self_check is a wing the core never imports, so
+    they are imported on first use."""
     if name == "text_tower_to_half_precision_":
         from clipshard.integrations.open_clip_text_tower import text_tower_to_half_precision_
         return text_tower_to_half_precision_

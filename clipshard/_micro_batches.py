@@ -18,8 +18,8 @@ UNBATCHED = ("logit_scale", "logit_bias")  # dict keys (tuple positions 2, 3) th
 def _tensors(name, value):
     """[(label, tensor)] of an input: a tensor, or a dict / tuple / list of tensors."""
     if torch.is_tensor(value):
-        return [(name, value)]
-    if isinstance(value, Mapping):
+        items = [(name, value)]
+    elif isinstance(value, Mapping):
         items = [(f"{name}[{key!r}]", v) for key, v in value.items()]
     elif isinstance(value, (tuple, list)):
         items = [(f"{name}[{i}]", v) for i, v in enumerate(value)]
@@ -39,7 +39,7 @@ def batch_size(images, texts):
     items = _tensors("images", images) + _tensors("texts", texts)
     first_label, first = items[0]
     for label, tensor in items:
-        if tensor.dim() == 0 or tensor.shape[0] != first.shape[0]:
+        if tensor.shape[0] != first.shape[0]:
             raise ValueError(f"{FN}: images and texts must have the same batch size (first dimension), got "
                              f"{first.shape[0]} rows in {first_label} and {tensor.shape[0]} in {label}")
     if first.shape[0] == 0:
@@ -158,6 +158,13 @@ def without_gradient_sync(model):
         return model.no_sync()
     fsdp = _fsdp_modules(model)
     return _fsdp_without_sync(fsdp) if fsdp else contextlib.nullcontext()
+
+
+def synchronising_module(model):
+    """"DDP" or "FSDP2" when backward passes through `model` synchronise gradients over ranks, else None."""
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return "DDP"
+    return "FSDP2" if _fsdp_modules(model) else None
 
 
 def training_batch_norms(model):

@@ -14,6 +14,9 @@ features. So (the gradient cache of Gao et al., 2021):
      each micro-batch runs again with grad, and backward(features_i, g * G_i) adds its part of the
      parameters' gradient. By the chain rule the sum is the full-batch gradient. Outputs without a
      batch dimension (logit_scale, logit_bias) get their gradient once, in the last re-run.
+Tensors that loss_fn itself differentiates through (its own parameters: a learned temperature, a
+projection head; found in the loss's autograd graph) get g times the gradient the first pass took
+with respect to them, as in the plain step.
 Activations live for one micro-batch at a time; the cost is one extra forward of the model.
 
 Each re-run draws the random numbers of its first pass (dropout masks and the like): the CPU
@@ -44,10 +47,13 @@ class GradCache:
         statistics (and updates its running statistics twice), so the step is not the full-batch
         step; GradCache refuses such a model unless this is True.
     parameters: None (default) accumulates the re-runs' gradients into .grad with nested backward
-        passes (DDP / FSDP2 models synchronise on the last one). Given the model's parameters, the
-        returned loss instead carries their summed gradient through its own graph: for a GradCache
-        called inside a model's forward that DDP wraps (apply_to_transformers), where DDP expects
-        each parameter's gradient once per forward.
+        passes (DDP / FSDP2 models synchronise on the last one). Given the model's parameters (an
+        iterable of tensors), the returned loss instead carries their summed gradient through its
+        own graph: for a GradCache called inside a model's forward that DDP wraps
+        (apply_to_transformers), where DDP expects each parameter's gradient once per forward.
+    loss_fn's own trainable tensors (a module's parameters, or tensors a function closes over) get
+    their plain-step gradient too; with parameters=None, a DDP / FSDP2 model's own parameters must
+    reach the loss through the model's outputs, not through loss_fn (refused: docs/grad_cache.md).
     """
 
     def __init__(self, model, loss_fn, micro_batch_size, *, allow_batch_norm=False, parameters=None):
@@ -62,7 +68,9 @@ class GradCache:
         check_bool(FN, "allow_batch_norm", allow_batch_norm)
         self.model, self.loss_fn, self.micro_batch_size = model, loss_fn, micro_batch_size
         self.allow_batch_norm = allow_batch_norm
-        self.parameters = None if parameters is None else [p for p in parameters if p.requires_grad]
+        self.parameters = None if parameters is None else [p for p in _tensor_list(parameters) if p.requires_grad]
+        if self.parameters is not None:
+            _check_covers_the_model(model, self.parameters)
 
     def __call__(self, images, texts):
         """The loss of the whole batch (a 0-dim tensor). Its backward re-runs the model per
@@ -74,7 +82,7 @@ class GradCache:
             return _total(outputs[0].call(self.loss_fn, _concatenated(outputs)))
         step = _Step(self, pieces)
         anchor = torch.zeros((), device=step.loss.device, requires_grad=True)
-        return _ReplayInBackward.apply(step, step.loss, anchor, *(self.parameters or ()))
+        return _ReplayInBackward.apply(step, step.loss, anchor, *step.inputs)
 
     def _input_error(self, images, texts):
         """The error this call's inputs deserve, or None (raised on every rank by the caller)."""
@@ -88,6 +96,50 @@ class GradCache:
         except (TypeError, ValueError) as error:
             return error
         return None
+
+
+def _tensor_list(parameters):
+    """`parameters` (GradCache's argument: an iterable of tensors, e.g. model.parameters()) as a list."""
+    if torch.is_tensor(parameters) or not hasattr(parameters, "__iter__"):
+        raise TypeError(f"{FN}: parameters must be an iterable of tensors (such as model.parameters()) or None, "
+                        f"got {'a tensor' if torch.is_tensor(parameters) else type(parameters).__name__}")
+    tensors = {}
+    for index, p in enumerate(parameters):
+        if not torch.is_tensor(p):
+            raise TypeError(f"{FN}: parameters must be an iterable of tensors, got {type(p).__name__} at "
+                            f"position {index}")
+        tensors.setdefault(id(p), p)  # a tensor listed twice would get its gradient twice
+    return list(tensors.values())
+
+
+def _check_covers_the_model(model, parameters):
+    """In `parameters` mode only the listed tensors get the re-runs' gradients: a trainable parameter
+    of an nn.Module model left out would silently get none, where the plain step gives it one."""
+    if not isinstance(model, torch.nn.Module):
+        return
+    listed = {id(p) for p in parameters}
+    missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in listed]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ValueError(f"{FN}: parameters must hold every trainable parameter of the model (model.parameters()); "
+                         f"it misses {shown}, which would get no gradient (set requires_grad=False to freeze them)")
+
+
+def _graph_leaves(tensor, known):
+    """The leaf tensors requiring grad that `tensor`'s autograd graph reaches, other than `known`:
+    what a loss_fn differentiated through besides the features it was given (its own parameters)."""
+    known = {id(t) for t in known}
+    found, seen, stack = {}, set(), [tensor.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # AccumulateGrad nodes hold their leaf
+        if leaf is not None and id(leaf) not in known:
+            found[id(leaf)] = leaf
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return list(found.values())
 
 
 def _rows(piece):
@@ -132,12 +184,42 @@ class _Step:
         values.update(leaves)
         with torch.enable_grad():
             loss = _total(self.layout.call(cache.loss_fn, values))
+            if not loss.requires_grad:  # the plain step's backward would raise
+                raise ValueError(f"{FN}: loss_fn's result does not require grad: it depends neither on the "
+                                 "features it was given nor on any parameter (computed under no_grad, or detached?)")
             wanted = {k: v for k, v in leaves.items() if v.requires_grad}
-            grads = torch.autograd.grad(loss, list(wanted.values()), allow_unused=True) if loss.requires_grad \
-                else [None] * len(wanted)
+            own = _graph_leaves(loss, wanted.values())
+            self._refuse_synchronised_parameters(own)
+            grads = torch.autograd.grad(loss, list(wanted.values()) + own, allow_unused=True)
         self.loss = loss.detach()
         self.grads = {k: g for k, g in zip(wanted, grads) if g is not None}
+        # what the returned loss's autograd node takes: the model's parameters in `parameters` mode,
+        # then loss_fn's own tensors, each with the gradient the loss gave it (None: from the re-runs only)
+        self.inputs = list(cache.parameters or ())
+        self.own_grads = [None] * len(self.inputs)
+        positions = {id(p): i for i, p in enumerate(self.inputs)}
+        for leaf, grad in zip(own, grads[len(wanted):]):
+            if id(leaf) not in positions:
+                positions[id(leaf)] = len(self.inputs)
+                self.inputs.append(leaf)
+                self.own_grads.append(None)
+            self.own_grads[positions[id(leaf)]] = grad
         self.rows = [_rows(piece) for piece in pieces]
+
+    def _refuse_synchronised_parameters(self, own):
+        """With nested backward passes, a DDP / FSDP2 model synchronises its gradients in the last
+        re-run; a gradient loss_fn adds to one of its parameters afterwards would arrive after the
+        reduction (or be refused by DDP)."""
+        cache = self.cache
+        if cache.parameters is not None or mb.synchronising_module(cache.model) is None:
+            return
+        model_parameters = {id(p): name for name, p in cache.model.named_parameters()}
+        names = [model_parameters[id(t)] for t in own if id(t) in model_parameters]
+        if names:
+            raise ValueError(f"{FN}: loss_fn differentiates through the model's own parameters ({', '.join(names)}) "
+                             f"of a {mb.synchronising_module(cache.model)} model, which synchronises its gradients "
+                             "in the last re-run, before loss_fn's gradient would arrive; return them among the "
+                             "model's outputs (as logit_scale) instead")
 
     def replay(self, grad_output):
         """Re-runs every micro-batch with grad and back-propagates its share of the cached
@@ -166,12 +248,14 @@ class _Step:
                     if tensors:
                         torch.autograd.backward(tensors, grads)
                     continue
-                found = torch.autograd.grad(tensors, cache.parameters, grads, allow_unused=True) if tensors \
-                    else [None] * len(cache.parameters)
+                found = torch.autograd.grad(tensors, cache.parameters, grads, allow_unused=True) \
+                    if tensors and cache.parameters else [None] * len(cache.parameters)
                 summed = found if summed is None else [_add(a, b) for a, b in zip(summed, found)]
         finally:
             generators.restore()
-        return summed
+        summed = summed or [None] * len(cache.parameters or ())
+        own = [None if g is None else (g * grad_output).to(g.dtype) for g in self.own_grads]
+        return [_add(a, b) for a, b in zip(summed + [None] * (len(own) - len(summed)), own)]
 
 
 def _add(a, b):
@@ -180,10 +264,11 @@ def _add(a, b):
 
 class _ReplayInBackward(torch.autograd.Function):
     """The loss value forward; its backward runs the step's re-runs (nested backward passes, or the
-    parameters' gradients returned here in `parameters` mode)."""
+    parameters' gradients returned here in `parameters` mode) and returns loss_fn's own tensors'
+    gradients."""
 
     @staticmethod
-    def forward(ctx, step, loss, anchor, *parameters):
+    def forward(ctx, step, loss, anchor, *inputs):
         ctx.step = step
         return loss.clone()
 
@@ -192,5 +277,4 @@ class _ReplayInBackward(torch.autograd.Function):
         if ctx.step is None:
             raise RuntimeError(f"{FN}: backward ran twice through the same loss; call the GradCache again")
         step, ctx.step = ctx.step, None  # frees the cached gradients and inputs once done
-        grads = step.replay(grad_output)
-        return (None, None, None, *(grads or ()))
+        return (None, None, None, *step.replay(grad_output))

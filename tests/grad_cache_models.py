@@ -1,6 +1,7 @@
 """A small two-tower model for the GradCache tests: an MLP image tower with dropout, a text tower
 of token embeddings (mean-pooled) and a Linear, learned logit_scale and logit_bias; it returns
-open_clip's dict or tuple. The same initial weights on every rank (a fixed generator)."""
+open_clip's dict or tuple; and a loss with trainable parameters of its own. The same initial weights
+on every rank (a fixed generator)."""
 import math
 
 import torch
@@ -33,6 +34,25 @@ class TinyClip(nn.Module):
             return (image, text, scale, self.logit_bias.clone()) if self.with_bias else (image, text, scale)
         output = {"image_features": image, "text_features": text, "logit_scale": scale}
         return {**output, "logit_bias": self.logit_bias.clone()} if self.with_bias else output
+
+
+class LearnedLoss(nn.Module):
+    """A loss with trainable parameters of its own: a projection head on the image features and a
+    learned temperature that multiplies the model's logit_scale."""
+
+    def __init__(self, loss, dtype=torch.float64):
+        super().__init__()
+        gen = torch.Generator().manual_seed(11)
+        self.head = nn.Linear(EMBED, EMBED).to(dtype)
+        self.log_temperature = nn.Parameter(torch.tensor(0.2, dtype=dtype))
+        with torch.no_grad():
+            self.head.weight.copy_(torch.eye(EMBED) + 0.3 * torch.randn(EMBED, EMBED, generator=gen))
+            self.head.bias.copy_(0.1 * torch.randn(EMBED, generator=gen))
+        self.loss = loss
+
+    def forward(self, image_features, text_features, logit_scale):
+        image = F.normalize(self.head(image_features), dim=-1)
+        return self.loss(image, text_features, logit_scale * self.log_temperature.exp())
 
 
 def batch(size, seed, dtype=torch.float64):

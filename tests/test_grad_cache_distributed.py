@@ -4,7 +4,9 @@ whole local batch through DDP, the loss, backward), fp64 within 1e-10 relative a
 local batches (so ranks run different numbers of micro-batches); DDP's gradient reduction runs as
 often as in the plain step (once per bucket per step); a bad input on one rank raises on every
 rank without waiting for a collective's timeout. On 2 ranks the same with FSDP2 (fully_shard'ed
-towers) against the plain FSDP2 step. One process group per world size runs every case."""
+towers) against the plain FSDP2 step. One process group per world size runs every case. A loss with
+parameters of its own through DDP gives them the plain DDP step's (local) gradients; a loss that
+reads the DDP model's own parameters is refused on every rank."""
 import io
 import time
 
@@ -15,7 +17,7 @@ import torch.distributed as dist
 import clipshard
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from dist_utils import run_group
-from grad_cache_models import TinyClip, batch, grads, max_relative_difference, plain_step
+from grad_cache_models import LearnedLoss, TinyClip, batch, grads, max_relative_difference, plain_step
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without torch.distributed")
 
@@ -158,3 +160,42 @@ def test_fsdp2_gradients_equal_the_plain_fsdp2_step():
             difference = max_relative_difference(ours, plain)
             print(f"  FSDP2 rank {rank} {name} {options}: {difference:.3g}")
             assert difference <= tolerance, (rank, name, options)
+
+
+def _loss_parameters_on_ranks(rank, world_size):
+    """(model and loss gradients, cached and plain) for a LearnedLoss around a cross-rank ClipLoss, and
+    the error a loss reading ddp.module.logit_scale gets."""
+    images, tokens = batch(7 + 2 * rank, 40 + rank)
+    results = []
+    for cached in (True, False):
+        ddp = torch.nn.parallel.DistributedDataParallel(TinyClip(dropout=0.2, with_bias=False))
+        loss_fn = LearnedLoss(clipshard.ClipLoss(rank=rank, world_size=world_size, local_loss=True,
+                                                 gather_with_grad=True))
+        torch.manual_seed(5 + rank)
+        if cached:
+            (clipshard.GradCache(ddp, loss_fn, MICRO)(images, tokens) * UPSTREAM).backward()
+        else:
+            plain_step(ddp, loss_fn, images, tokens, MICRO, UPSTREAM)
+        results.append({**grads(ddp.module), **{f"loss.{k}": v for k, v in grads(loss_fn).items()}})
+    ddp = torch.nn.parallel.DistributedDataParallel(TinyClip(with_bias=False))
+    reads_the_model = lambda image_features, text_features, logit_scale: clipshard.ClipLoss(  # noqa: E731
+        rank=rank, world_size=world_size)(image_features, text_features, ddp.module.logit_scale.exp())
+    try:
+        clipshard.GradCache(ddp, reads_the_model, MICRO)(images, tokens)
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    buffer = io.BytesIO()
+    torch.save((results, refused), buffer)
+    return buffer.getvalue()
+
+
+def test_loss_parameters_get_the_plain_ddp_steps_gradients_and_the_models_are_refused():
+    for rank, out in enumerate(run_group(_loss_parameters_on_ranks, 2, timeout=300)):
+        (ours, plain), refused = torch.load(io.BytesIO(out))
+        assert {"loss.head.weight", "loss.head.bias", "loss.log_temperature"} <= plain.keys()
+        difference = max_relative_difference(ours, plain)
+        print(f"  rank {rank}: {difference:.3g}")
+        assert difference <= 1e-10, (rank, difference)
+        assert refused is not None and "differentiates through the model's own parameters (module.logit_scale)" \
+            in refused and "DDP" in refused, (rank, refused)

@@ -94,6 +94,12 @@ def test_clipshard_adamw_refuses_another_optimizer():
         clipshard_train_main(["--clipshard-adamw", "--opt", "timm/lamb", "--train-data", "x.csv"])
 
 
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_accum_freq_below_one_is_refused_naming_the_option(value):
+    with pytest.raises(SystemExit, match=f"--accum-freq must be >= 1 .*got --accum-freq {value}$"):
+        clipshard_train_main(["--accum-freq", value, "--train-data", "x.csv"])
+
+
 def _train(data, workdir, which, name, *extra):
     """Runs open_clip_train through the runner; returns each rank's records. The working directory
     holds ./logs (open_clip_train's --logs cannot be passed through torchrun, which takes it for

@@ -20,7 +20,22 @@ VARIABLES = {
     "CLIPSHARD_ALGORITHM": "'torch' makes every algorithm='auto' run the portable torch path",
     "CLIPSHARD_CHUNKED_FORWARD_ROWS": "rows per CTA of the CUDA chunked forward kernel (16 or 32)",
     "CLIPSHARD_ADDMM_FP32_ACCUMULATOR": "'0' makes the chunked backward of 16-bit features use an fp32 buffer",
+    "CLIPSHARD_CPU_ISA": "avx512, avx2 or baseline: the widest vector code the CPU kernels may use",
 }
+# How clipshard's readers of these variables (clipshard/ops/_algorithm.py, csrc/env_vars.h) word a
+# value they do not accept: "the environment variable NAME must be <what is accepted>, got <value>".
+_REFUSED_VALUE = re.compile(r"the environment variable (CLIPSHARD_\w+) (must be .*?),? got ")
+
+
+def variable_problem(message):
+    """For the error a CLIPSHARD_* variable's reader raised (its message), a sentence naming the
+    variable, its value and what it accepts; None for any other error."""
+    found = _REFUSED_VALUE.search(message)
+    if found is None:
+        return None
+    name, accepted = found.groups()
+    return (f"the environment variable {name} is set to {os.environ.get(name)!r}, which clipshard does not accept: "
+            f"it {accepted}")
 
 
 def has_cuda_kernels():
@@ -96,8 +111,15 @@ def auto_choices(device_types):
 
 
 def environment_report():
+    """The report's fields; "problems" lists the CLIPSHARD_* variables whose values were refused."""
     visible = devices()
     device_types = ["cpu"] + (["cuda"] if len(visible) > 1 else [])
+    try:
+        auto, problems = auto_choices(device_types), []
+    except ValueError as error:  # CLIPSHARD_ALGORITHM's reader refused its value
+        if variable_problem(str(error)) is None:
+            raise
+        auto, problems = [], [variable_problem(str(error))]
     return {
         "clipshard": clipshard.__version__,
         "torch": torch.__version__,
@@ -107,9 +129,10 @@ def environment_report():
         "build": build_report(),
         "devices": visible,
         "no_gpu_visible": len(visible) == 1,
-        "auto": auto_choices(device_types),
+        "auto": auto,
         "variables": {name: os.environ.get(name) for name in sorted(set(VARIABLES) | {
             n for n in os.environ if n.startswith("CLIPSHARD_")})},
+        "problems": problems,
     }
 
 
@@ -128,7 +151,7 @@ def format_environment(report):
         lines.append(f"  {d['device']}: {d['name']} ({d['arch']}{extra})")
     if report["no_gpu_visible"]:
         lines.append("  no GPU is visible: only the CPU kernels are checked")
-    lines.append('algorithm="auto" picks:')
+    lines.append('algorithm="auto" picks:' + ("" if report["auto"] else " unknown (see the problems below)"))
     for c in report["auto"]:
         lines.append(f"  {c['device_type']} {c['op']} {c['dtype']}: {c['algorithm']} ({c['reason']})")
     lines.append("environment variables:")

@@ -119,6 +119,9 @@ def _check_options(options, args):
         raise SystemExit(f"{_PROG}: --clipshard-adamw replaces open_clip_train's --opt adamw, got --opt {opt}")
     if options.clipshard_adamw and args.horovod:
         raise SystemExit(f"{_PROG}: --clipshard-adamw is not supported with --horovod")
+    if args.accum_freq < 1:
+        raise SystemExit(f"{_PROG}: --accum-freq must be >= 1 (the micro-batches of --batch-size in a step), "
+                         f"got --accum-freq {args.accum_freq}")
     if args.accum_freq > 1 and (args.horovod or args.distill_model is not None):
         raise SystemExit(f"{_PROG}: --accum-freq (a clipshard.GradCache step) is not supported with "
                          f"{'--horovod' if args.horovod else '--distill-model'}")
