@@ -11,8 +11,8 @@ import torch
 import clipshard
 from clipshard.ops import _portable_chunks
 from clipshard.ops.distill_lse import OUTPUTS, distill_lse
-from clipshard.reference import distill_clip_loss_reference, distill_lse_reference
 from tests.parallel.test_clip_loss_distributed import _open_clip_loss_class
+from tests.references.distill import distill_clip_loss_reference, distill_lse_reference
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
 from _measure import peak_memory_bytes  # noqa: E402

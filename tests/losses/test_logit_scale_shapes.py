@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import clipshard
-from clipshard.reference import clip_loss_reference
+from tests.references.contrastive import clip_loss_reference
 
 SHAPES = [(), (1,), (1, 1)]
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from clipshard import contrastive_lse
-from clipshard.reference import contrastive_lse_reference
+from tests.references.contrastive import contrastive_lse_reference
 
 # M, K, D, pos_offset, scale, bias, workspace_bytes (4 bytes per logit forward, 8 backward, fp32).
 CASES = [

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import clipshard
-from clipshard.reference import contrastive_lse_reference
+from tests.references.contrastive import contrastive_lse_reference
 
 pytestmark = pytest.mark.cuda
 

@@ -1,5 +1,5 @@
 """CPU tests of the fused contrastive log-sum-exp op and the single-device clip_loss, against the
-materialised fp64 references of clipshard.reference and against open_clip's ClipLoss."""
+materialised fp64 references of tests/references and against open_clip's ClipLoss."""
 import math
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 
 import clipshard
 from clipshard import clip_loss, contrastive_lse
-from clipshard.reference import clip_loss_reference, contrastive_lse_reference
+from tests.references.contrastive import clip_loss_reference, contrastive_lse_reference
 
 OPS = torch.ops.clipshard
 WS = 1 << 12  # a workspace budget that forces the chunked algorithm into 128-column chunks

@@ -1,37 +1,19 @@
 """The compiled distillation op, torch.ops.clipshard.distill_lse / distill_lse_backward, called
-directly (no Python front), against an fp64 reference written here from the op's formulas
-(csrc/clipshard.cpp): the forward's seven statistics materialised in fp64, and their exact
+directly (no Python front), against the fp64 reference of the op's formulas (csrc/clipshard.cpp,
+tests/references/distill.py): the forward's seven statistics materialised in fp64, and their exact
 vector-Jacobian product from fp64 autograd through that reference.
 
 CPU tests run everywhere; the tests marked `cuda` run the same cases on a GPU (skipped here)."""
 import pytest
 import torch
 
+from tests.references.distill import distill_lse_reference
+
 OPS = torch.ops.clipshard
 # (M, K, D, T, Dt, pos_offset): odd sizes around the CPU's 128 x 512 tile, T = 1 and 2, Dt != D.
 SHAPES = [(1, 1, 1, 1, 1, 0), (5, 17, 3, 2, 7, 9), (130, 601, 24, 2, 40, 333), (37, 37, 16, 1, 9, 0)]
 OUTPUTS = ("row_lse", "pos_logit", "teacher_row_lse", "row_cross", "col_lse", "teacher_col_lse", "col_cross")
 BIG = 1 << 30  # a workspace that holds everything in one chunk
-
-
-# ------------------------------------------------------------------------------------ reference
-
-def reference(rows, cols, teacher_rows, teacher_cols, scale, teacher_scale, pos_offset, want_columns):
-    """The seven outputs in fp64, differentiable: materialises every M x K matrix."""
-    s = scale.reshape(()) * rows @ cols.T                                          # M x K
-    t = teacher_scale[:, None, None] * teacher_rows @ teacher_cols.transpose(1, 2)  # T x M x K
-    m = rows.shape[0]
-    row_lse = torch.logsumexp(s, 1)
-    pos_logit = s[torch.arange(m), torch.arange(m) + pos_offset]
-    teacher_row_lse = torch.logsumexp(t, 2)
-    row_cross = (torch.softmax(t, 2) * s).sum(2)
-    if not want_columns:
-        empty = s.new_zeros(0)
-        return row_lse, pos_logit, teacher_row_lse, row_cross, empty, t.new_zeros(t.shape[0], 0), t.new_zeros(t.shape[0], 0)
-    col_lse = torch.logsumexp(s, 0)
-    teacher_col_lse = torch.logsumexp(t, 1)
-    col_cross = (torch.softmax(t, 1) * s).sum(1)
-    return row_lse, pos_logit, teacher_row_lse, row_cross, col_lse, teacher_col_lse, col_cross
 
 
 def make_inputs(m, k, d, t, dt, dtype=torch.float32, teacher_dtype=None, scale=14.3, teacher_scale=None,
@@ -64,7 +46,7 @@ def reference_run(inputs, pos_offset, want_columns, grads, teacher_grad=True):
     """Reference outputs and the gradients of (rows, cols, teacher_rows, teacher_cols, scale,
     teacher_scale) for upstream gradients `grads` (None entries = no gradient)."""
     leaves = {n: x.detach().double().requires_grad_() for n, x in inputs.items()}
-    out = reference(**leaves, pos_offset=pos_offset, want_columns=want_columns)
+    out = distill_lse_reference(**leaves, pos_offset=pos_offset, want_columns=want_columns)
     pairs = [(o, g) for o, g in zip(out, grads) if g is not None and o.numel()]
     names = ["rows", "cols", "scale"] + (["teacher_rows", "teacher_cols", "teacher_scale"] if teacher_grad else [])
     ref_grads = torch.autograd.grad([o for o, _ in pairs], [leaves[n] for n in names], [g for _, g in pairs],

@@ -3,7 +3,7 @@ passes on any x86-64 CPU) are themselves right: known answers, ties included."""
 import pytest
 import torch
 
-from clipshard.reference import round_to_nearest_reference
+from tests.references.rounding import round_to_nearest_reference
 
 # (value, dtype, expected nearest, ties to even); the values are exact in fp64.
 CASES = [

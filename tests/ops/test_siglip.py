@@ -1,6 +1,6 @@
 """CPU tests of the fused SigLIP op (torch.ops.clipshard.siglip_forward, clipshard.siglip_sum) and the
 single-device siglip_loss / SigLipLoss, against the materialised fp64 references of
-clipshard.reference and against open_clip's own SigLipLoss."""
+tests/references and against open_clip's own SigLipLoss."""
 import math
 
 import pytest
@@ -8,8 +8,8 @@ import torch
 
 import clipshard
 from clipshard import SigLipLoss, siglip_loss, siglip_sum
-from clipshard.reference import siglip_loss_reference, siglip_sum_reference
 from tests.isa_utils import ISA_CHOICES, run_under_each_isa
+from tests.references.siglip import siglip_loss_reference, siglip_sum_reference
 
 OPS = torch.ops.clipshard
 DTYPES = [torch.float64, torch.float32, torch.float16, torch.bfloat16]

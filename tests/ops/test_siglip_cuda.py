@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from clipshard import SigLipLoss, siglip_sum
-from clipshard.reference import siglip_sum_reference
+from tests.references.siglip import siglip_sum_reference
 
 pytestmark = pytest.mark.cuda
 OPS = torch.ops.clipshard

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import clipshard
-from clipshard import reference
 from clipshard.rounding import stochastic_round, stochastic_round_
 from tests.isa_utils import assert_same_bits_on_every_isa, run_under_each_isa
+from tests.references import stochastic_round as reference
 
 DTYPES = [torch.float16, torch.bfloat16]
 U32 = 0xFFFFFFFF

@@ -18,10 +18,10 @@ import clipshard
 from clipshard import contrastive_lse, siglip_sum
 from clipshard.ops import _algorithm, _portable_chunks, portable_lse
 from clipshard.ops.contrastive_lse import ALGORITHMS as LSE_ALGORITHMS
-from clipshard.reference import (clip_loss_reference, contrastive_lse_reference, siglip_loss_reference,
-                                 siglip_sum_reference)
 from clipshard.ops.siglip_sum import ALGORITHMS as SIGLIP_ALGORITHMS
 from tests.ops.test_contrastive_lse import BAD_INPUTS
+from tests.references.contrastive import clip_loss_reference, contrastive_lse_reference
+from tests.references.siglip import siglip_loss_reference, siglip_sum_reference
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
 import _measure  # noqa: E402

@@ -8,8 +8,10 @@ import torch
 
 import clipshard  # noqa: F401
 from clipshard.optim import AdamW, second_moment_key, to_half_precision_
-from clipshard.reference import adamw_step_reference, half_neighbours, round_to_nearest_reference, stall_regression
 from tests.isa_utils import assert_same_bits_on_every_isa, run_under_each_isa
+from tests.optim.stall_problem import stall_regression
+from tests.references.adamw import adamw_step_reference
+from tests.references.rounding import half_neighbours, round_to_nearest_reference
 
 HALF = (torch.float16, torch.bfloat16)
 HYPER = dict(lr=3e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.05)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import clipshard  # noqa: F401
-from clipshard.reference import adamw_step_reference
+from tests.references.adamw import adamw_step_reference
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 ARGS = (1e-2, 0.9, 0.99, 1e-8, 0.1, False)  # lr, beta1, beta2, eps, weight_decay, maximize

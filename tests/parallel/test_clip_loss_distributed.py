@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 
 import clipshard
-from clipshard.reference import clip_loss_rank_reference, clip_loss_reference
 from tests.dist_utils import report_worst, run_group
+from tests.references.contrastive import clip_loss_rank_reference, clip_loss_reference
 
 COMBINATIONS = [(True, True), (False, True), (True, False), (False, False)]  # (local_loss, gather_with_grad)
 ALGORITHMS = ["auto", "torch"]  # the compiled kernels, the portable PyTorch path (docs/portable.md)

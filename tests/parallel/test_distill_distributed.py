@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 import clipshard
-from clipshard.reference import distill_clip_loss_rank_reference
 from tests.dist_utils import report_worst, run_group
 from tests.parallel.test_clip_loss_distributed import _global_batch, _open_clip_loss_class
+from tests.references.distill import distill_clip_loss_rank_reference
 
 WORLD = 3
 NAMES = ["image", "text", "teacher image", "teacher text", "scale", "teacher scale"]

@@ -11,9 +11,9 @@ import torch.distributed as dist
 
 import clipshard
 from clipshard.parallel.collectives import ShardLayout, same_on_every_rank
-from clipshard.reference import clip_loss_rank_reference
 from tests.dist_utils import run_group
 from tests.parallel.test_clip_loss_distributed import _global_batch
+from tests.references.contrastive import clip_loss_rank_reference
 
 SIZES = (5, 3)  # unequal local batches, as the last batch of an epoch
 

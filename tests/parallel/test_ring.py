@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 import clipshard
 from clipshard.parallel import collectives as cdist
-from clipshard.reference import clip_loss_rank_reference
 from tests.dist_utils import report_worst, run_group
 from tests.parallel.test_clip_loss_distributed import TOLERANCE, _error, _global_batch, _open_clip_loss_class, _run_loss
+from tests.references.contrastive import clip_loss_rank_reference
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
 from _measure import peak_memory_bytes  # noqa: E402

@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 import clipshard
-from clipshard.reference import siglip_loss_rank_reference
 from tests.dist_utils import report_worst, run_group
 from tests.parallel.test_clip_loss_distributed import (
     ALGORITHMS, _global_batch, _max_rel, _open_clip_loss_class, _run_loss)
+from tests.references.siglip import siglip_loss_rank_reference
 
 DIST_IMPLS = [None, "bidir", "shift", "reduce", "gather"]
 NAMES = ["loss", "image", "text", "scale", "bias"]

@@ -18,12 +18,12 @@ import torch.distributed as dist
 
 import clipshard
 from clipshard.parallel import siglip_ring
-from clipshard.reference import siglip_loss_rank_reference
 from tests.dist_utils import report_worst, run_group
 from tests.parallel.test_clip_loss_distributed import (
     ALGORITHMS, _global_batch, _max_rel, _open_clip_loss_class, _run_loss)
 from tests.parallel.test_ring import _no_batch_gathers
 from tests.parallel.test_siglip_distributed import NAMES, TOLERANCE
+from tests.references.siglip import siglip_loss_rank_reference
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
 from _measure import peak_memory_bytes  # noqa: E402

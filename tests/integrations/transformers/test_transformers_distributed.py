@@ -14,10 +14,11 @@ import torch.distributed as dist
 pytest.importorskip("transformers", reason="transformers is not installed: pip install '.[transformers]'")
 
 import clipshard  # noqa: E402
-from clipshard.reference import clip_loss_reference, siglip_loss_reference  # noqa: E402
 from tests.dist_utils import report_worst, run_group  # noqa: E402
 from tests.integrations.transformers.hf_tiny_models import (  # noqa: E402
     BUILDERS, fp64_default_dtype, gradient_errors, rows, tiny_inputs, tiny_model)
+from tests.references.contrastive import clip_loss_reference  # noqa: E402
+from tests.references.siglip import siglip_loss_reference  # noqa: E402
 
 # local batch sizes per world size: equal ones, then an unequal last batch
 SIZES = {1: [[5]], 2: [[4, 4], [5, 2]], 3: [[3, 3, 3], [4, 1, 3]]}
@@ -62,7 +63,7 @@ def _mean_over_ranks(loss):
 
 @functools.lru_cache(maxsize=None)
 def _reference(name, sizes):
-    """The fp64 model on the whole batch, its loss from clipshard.reference: (loss, gradients)."""
+    """The fp64 model on the whole batch, its loss from tests/references: (loss, gradients)."""
     model = tiny_model(name).double()
     inputs = tiny_inputs(name, sum(sizes), _seed(sizes))
     inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}

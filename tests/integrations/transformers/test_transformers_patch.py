@@ -15,10 +15,11 @@ transformers = pytest.importorskip("transformers",
 
 import clipshard  # noqa: E402
 from clipshard.integrations import transformers_loss, transformers_patch  # noqa: E402
-from clipshard.reference import clip_loss_reference, siglip_loss_reference  # noqa: E402
 from clipshard.integrations import supported_import  # noqa: E402
 from tests.integrations.transformers.hf_tiny_models import (  # noqa: E402
     BUILDERS, enable_checkpointing, gradient_errors, tiny_inputs, tiny_model)
+from tests.references.contrastive import clip_loss_reference  # noqa: E402
+from tests.references.siglip import siglip_loss_reference  # noqa: E402
 
 
 @pytest.fixture
