@@ -8,7 +8,7 @@ table, as the real one would need 21 M elements), NaN and infinite values, every
 and without stochastic rounding. The emulated float4 / uint2 count the vector accesses: every whole
 group of 4 takes the vector path (4 loads, 3 stores), whatever the shard's index base. A copy of the
 kernel with a deliberate bug (each group's words from one Philox block) fails, so the comparison
-can fail. Speed and the real memory system are left to tests/test_optim_cuda.py on a GPU."""
+can fail. Speed and the real memory system are left to tests/optim/test_adamw_cuda.py on a GPU."""
 import subprocess
 
 import numpy as np

@@ -7,7 +7,7 @@ backward's dS and dT^k with a double-precision reference of the op's formulas: f
 dlogits, T = 1 and 2, scales up to 100, realistic upstream gradients (0.5 / 65536), and a negative
 control (fp16 without the gradient pre-scale must fail). A second test builds the harness against
 a deliberately broken copy of the kernels and checks that it fails. Hardware-only behaviour
-(memory ordering, speed) needs the @pytest.mark.cuda tests of test_distill_kernels.py on a GPU."""
+(memory ordering, speed) needs the @pytest.mark.cuda tests of test_distill_lse.py on a GPU."""
 import os
 import pathlib
 import shutil

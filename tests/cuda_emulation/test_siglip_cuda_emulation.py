@@ -5,7 +5,7 @@ thread (tests/cuda_emulation/emulate_cuda.h) and compares the per-row sums and t
 (fp32, bf16, and fp16 with the power-of-two prescale) of several column chunks with a double
 reference, with positives and without (the ring's blocks from other ranks). This checks the kernel's
 indexing, positives, reductions and prescale without a GPU; what only hardware shows (speed, the
-real GEMMs around it) is left to tests/test_siglip_cuda.py. A copy of the kernel that keeps the
+real GEMMs around it) is left to tests/ops/test_siglip_cuda.py. A copy of the kernel that keeps the
 positive's column in 32 bits (which turns the no-positives marker into a positive per row) fails."""
 import subprocess
 

@@ -6,7 +6,7 @@ vectorised one for 16-byte aligned tensors, the scalar one at any alignment), fp
 and without saturation, sizes around the 8-element groups and the tails, one CTA and an H200's grid
 (min(blocks, 132 SMs x 8)), and every special value (NaNs of other payloads and signs are stored as
 the canonical NaN). A copy of the vectorised kernel that drops the second half of its tail fails.
-What only a GPU shows is left to tests/test_stochastic_round_cuda.py."""
+What only a GPU shows is left to tests/ops/test_stochastic_round_cuda.py."""
 import subprocess
 
 import numpy as np

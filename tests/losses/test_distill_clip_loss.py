@@ -1,7 +1,7 @@
 """The distillation op (clipshard/ops/distill_lse.py, torch path) against the fp64 block reference,
 and clipshard.DistillClipLoss on one device against open_clip's DistillClipLoss and the fp64 loss
 reference (single teachers, ensembles, 16-bit inputs); bad inputs; the workspace bound on memory.
-Multi-rank runs: tests/test_distill_distributed.py."""
+Multi-rank runs: tests/parallel/test_distill_distributed.py."""
 import os
 import sys
 

@@ -1,6 +1,6 @@
 """logit_scale / logit_bias may be 0-dim or one-element tensors of any shape (open_clip's
 nonscalar_logit_scale models use shape (1,)) on one device, as over ranks
-(tests/test_reliability_distributed.py): the same loss, and gradients of the shape given."""
+(tests/parallel/test_bad_input_on_one_rank.py): the same loss, and gradients of the shape given."""
 import pytest
 import torch
 

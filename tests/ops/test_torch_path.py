@@ -4,7 +4,7 @@ than M, 16-bit inputs with a mean loss's upstream gradients, bias and scale 100;
 path that GPUs take (emulated here, since CPU torch has no fp32-output 16-bit GEMM) with its fp16
 pre-scale and a control without it; gradcheck; its peak memory against the workspace bound; the
 `meta` device (shapes, no compiled kernel); the "auto" rule, its warning and CLIPSHARD_ALGORITHM;
-the losses. The distributed tests (test_distributed.py, test_siglip_distributed.py) run every
+the losses. The distributed tests (test_clip_loss_distributed.py, test_siglip_distributed.py) run every
 mode and dist_impl with it too."""
 import functools
 import os

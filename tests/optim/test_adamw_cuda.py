@@ -66,7 +66,7 @@ def test_cuda_step_equals_cpu_step_bitwise(param_dtype, state_dtype, stochastic,
 @pytest.mark.parametrize("param_dtype,state_dtype", [
     (p, s) for p in (torch.float32,) + HALF for s in (torch.float32,) + HALF])
 def test_cuda_nan_and_inf_give_the_cpu_bits_and_the_canonical_nan(param_dtype, state_dtype, stochastic):
-    """The CPU test's NaN / Inf weights and gradients (tests/test_optim_shards.py): CUDA writes the
+    """The CPU test's NaN / Inf weights and gradients (tests/optim/test_adamw_shards.py): CUDA writes the
     same bits, every NaN the canonical one (NVIDIA's arithmetic NaN is 0x7FFFFFFF)."""
     from tests.optim.test_adamw_shards import ARGS, CANONICAL_NAN, _bits, _special_inputs
     p, g, m, v, _ = _special_inputs(param_dtype, state_dtype)

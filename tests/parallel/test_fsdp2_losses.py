@@ -130,7 +130,7 @@ def _on_ranks(rank, world_size):
         out[index] = (_losses(_ddp, make_loss(), use_bias, rank),
                       _losses(lambda m: _fsdp2(m, world_size), make_loss(), use_bias, rank))
     out["compile"] = _compiled_against_eager(rank, world_size)
-    buffer = io.BytesIO()  # tensors go back serialised (see tests/test_fsdp2.py)
+    buffer = io.BytesIO()  # tensors go back serialised (see tests/optim/test_adamw_fsdp2.py)
     torch.save(out, buffer)
     return buffer.getvalue()
 

@@ -4,7 +4,7 @@ that does not grow with the world size; no gather of the batch; errors before an
 
 One 4-rank group runs the world group (N = 4) and its subgroups {0, 1, 2} (N = 3) and {0, 1}
 (N = 2), so every world size from 2 to 4 runs in one start (world size 1 is the single-device
-loss, tests/test_distributed.py). The multi-node torchrun launch is in test_ring_torchrun.py.
+loss, tests/parallel/test_clip_loss_distributed.py). The multi-node torchrun launch is in test_ring_torchrun.py.
 """
 import os
 import sys

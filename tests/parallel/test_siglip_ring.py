@@ -5,7 +5,7 @@ memory that does not grow with the world size.
 
 One 4-rank group runs the world group (N = 4) and its subgroups {0, 1, 2} (N = 3) and {0, 1}
 (N = 2), so world sizes 2 to 4 run in one start. The op-level block without positives is tested in
-tests/test_siglip.py.
+tests/ops/test_siglip.py.
 """
 import os
 import sys

@@ -109,7 +109,7 @@ def _on_ranks(rank, world_size):
     out = {"ddp": _ddp_cases(rank, world_size), "bad": _bad_input_on_rank_1(rank, world_size)}
     if world_size == 2:
         out["fsdp2"] = _fsdp2_cases(rank, world_size)
-    buffer = io.BytesIO()  # tensors go back serialised (see tests/test_fsdp2.py)
+    buffer = io.BytesIO()  # tensors go back serialised (see tests/optim/test_adamw_fsdp2.py)
     torch.save(out, buffer)
     return buffer.getvalue()
 

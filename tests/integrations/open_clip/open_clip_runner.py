@@ -1,6 +1,7 @@
-"""Runs open_clip_train under torchrun for tests/test_open_clip_train.py, recording every loss call.
+"""Runs open_clip_train under torchrun for tests/integrations/open_clip/test_open_clip_train.py,
+recording every loss call.
 
-    torchrun ... tests/open_clip_runner.py RECORD_DIR stock|clipshard [open_clip_train's arguments]
+    torchrun ... tests/integrations/open_clip/open_clip_runner.py RECORD_DIR stock|clipshard [open_clip_train's args]
 
 stock:     open_clip_train.main.main(args), with only torch's refusal of CPU device_ids lifted (its DDP
            call passes device_ids=[cpu]); clipshard is never imported.

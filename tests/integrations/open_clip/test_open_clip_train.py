@@ -3,7 +3,7 @@
 
 fp32: the same per-step losses (1e-5 relative) from clipshard's ClipLoss; 16-bit text tower +
 clipshard AdamW: the loss falls, 6 bytes per text parameter, and open_clip_train's own checkpoint
-resumes. tests/open_clip_runner.py records each loss call at full precision."""
+resumes. tests/integrations/open_clip/open_clip_runner.py records each loss call at full precision."""
 import json
 import os
 import random

@@ -1,6 +1,6 @@
 """`python -m clipshard.open_clip_train --accum-freq K` (a clipshard.GradCache step) against stock
 open_clip_train's own --accum-freq K on 2 gloo ranks (torchrun, CPU, the tiny model of
-tests/test_open_clip_train.py): the loss runs once per step instead of K times, and the per-step
+tests/integrations/open_clip/test_open_clip_train.py): the loss runs once per step instead of K times, and the per-step
 losses agree within 1e-5 relative. (Stock open_clip gives logit_scale K times its gradient, one per
 loss evaluation; AdamW's update hardly depends on a gradient's scale, so the runs stay together.)"""
 import pytest

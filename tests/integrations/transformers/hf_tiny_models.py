@@ -1,7 +1,7 @@
 """Tiny, randomly initialised transformers models of every class apply_to_transformers covers that the
 installed transformers has, and random inputs for them (no hub: configs are built here), plus the
 few calls whose names differ between transformers 4.5x and 5.x. Used by tests/test_transformers_*.py
-and tests/hf_trainer_runner.py, in every venv of the version matrix (`make test-matrix`)."""
+and tests/integrations/transformers/hf_trainer_runner.py, in every venv of the version matrix (`make test-matrix`)."""
 import contextlib
 
 import torch

@@ -1,6 +1,6 @@
-"""A few Trainer steps of a tiny CLIPModel, for tests/test_transformers_trainer.py.
+"""A few Trainer steps of a tiny CLIPModel, for tests/integrations/transformers/test_transformers_trainer.py.
 
-    torchrun --nproc-per-node 2 tests/hf_trainer_runner.py OUT.json RUN [RUN ...]
+    torchrun --nproc-per-node 2 tests/integrations/transformers/hf_trainer_runner.py OUT.json RUN [RUN ...]
     (or in one process: train(run, global_batch) from the test itself)
 
 RUN is one of

@@ -61,7 +61,7 @@ def _ddp_rank(rank, world_size):
 
     def ddp(model):
         return torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
-    buffer = io.BytesIO()  # tensors go back serialised (see tests/test_fsdp2.py)
+    buffer = io.BytesIO()  # tensors go back serialised (see tests/optim/test_adamw_fsdp2.py)
     torch.save((_step("CLIPModel", inputs, MICRO, ddp), _step("CLIPModel", inputs, None, ddp)), buffer)
     return buffer.getvalue()
 

@@ -2,7 +2,7 @@
 process on the global batch (the model's own loss there): the per-step losses Trainer logs agree to
 1e-5 relative. Without the patch the 2-rank run logs the mean of the local losses, which differ; and
 the recipe run (logits=False, bf16, gradient checkpointing, clipshard.optim.AdamW as Trainer's
-optimizer) trains. tests/hf_trainer_runner.py runs the training."""
+optimizer) trains. tests/integrations/transformers/hf_trainer_runner.py runs the training."""
 import json
 import os
 import pathlib
