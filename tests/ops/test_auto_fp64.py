@@ -11,13 +11,6 @@ from clipshard.ops.contrastive_lse import ALGORITHMS as LSE_ALGORITHMS
 from clipshard.ops.siglip_sum import ALGORITHMS as SIGLIP_ALGORITHMS
 
 
-@pytest.fixture
-def cuda_kernels_registered(monkeypatch):
-    monkeypatch.setattr(_algorithm, "_warned_device_types", set())
-    monkeypatch.delenv(_algorithm.ENV_VAR, raising=False)
-    monkeypatch.setattr(_algorithm, "has_compiled_kernel", lambda operator, device_type: device_type in ("cpu", "cuda"))
-
-
 def test_auto_runs_fp64_on_cuda_through_the_torch_path_with_one_warning(cuda_kernels_registered):
     cuda = torch.device("cuda")
     with pytest.warns(UserWarning, match="compiled 'cuda' kernels take float32, float16, bfloat16, not float64"):

@@ -129,19 +129,6 @@ def test_siglip_sum_matches_fp64_reference(dtype, case):
     check_siglip(dtype, case)
 
 
-def _emulated_fp32_output_gemm(a, b, dtype):
-    """What torch.mm(a, b, out_dtype=fp32) computes for 16-bit a, b: exact products, fp32 sums."""
-    return torch.mm(a.to(dtype), b.to(dtype))
-
-
-@pytest.fixture
-def gpu_style_gemms(monkeypatch):
-    """The 16-bit GEMM path GPUs take (16-bit factors, fp32 results, 16-bit logit gradients with the
-    fp16 pre-scale), on the CPU through an exact emulation of the fp32-output GEMM."""
-    monkeypatch.setattr(_portable_chunks, "_has_fp32_output_gemm", lambda device, dtype: True)
-    monkeypatch.setattr(_portable_chunks, "_mm_with_output_dtype", _emulated_fp32_output_gemm)
-
-
 # SigLIP with a usual bias, at M = 64 against K = 4096 columns.
 SIGLIP_16BIT = (64, 4096, 24, 1000, 30.0, -10.0, 1)
 

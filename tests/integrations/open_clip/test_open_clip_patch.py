@@ -17,13 +17,6 @@ ORIGINAL = {m: {n: getattr(__import__(m, fromlist=["_"]), n, None) for n in ("Cl
             for m in open_clip_patch.MODULES}
 
 
-@pytest.fixture
-def patch():
-    patch = clipshard.apply_to_open_clip()
-    yield patch
-    patch.undo()
-
-
 def _args(**overrides):
     args = dict(distill=False, model="ViT-B-32", siglip=False, local_loss=False, gather_with_grad=False, rank=0,
                 world_size=1, horovod=False, coca_caption_loss_weight=2.0, coca_contrastive_loss_weight=1.0,

@@ -20,6 +20,8 @@ from tests.integrations.transformers.hf_tiny_models import (  # noqa: E402
 from tests.references.contrastive import clip_loss_reference  # noqa: E402
 from tests.references.siglip import siglip_loss_reference  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("models_imported")  # before the ranks are forked
+
 # local batch sizes per world size: equal ones, then an unequal last batch
 SIZES = {1: [[5]], 2: [[4, 4], [5, 2]], 3: [[3, 3, 3], [4, 1, 3]]}
 LOSS_TOL, GRAD_TOL = 1e-5, 1e-4  # relative to the largest reference value of each tensor (fp32 towers)
@@ -80,13 +82,6 @@ def _reference(name, sizes):
 
 def _rel(got, want):
     return ((got - want).abs().max() / want.abs().max()).item()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _models_imported():
-    """Imports the covered classes' modules once, before the ranks are forked (seconds each)."""
-    for name in BUILDERS:
-        tiny_model(name)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])

@@ -22,13 +22,6 @@ from tests.references.contrastive import clip_loss_reference  # noqa: E402
 from tests.references.siglip import siglip_loss_reference  # noqa: E402
 
 
-@pytest.fixture
-def patch():
-    patch = clipshard.apply_to_transformers()
-    yield patch
-    patch.undo()
-
-
 def _fp64_loss(name, model, out):
     """The fp64 reference of the model's loss from its own (fp32) embeddings."""
     scale = model.logit_scale.double().exp()
