@@ -164,23 +164,6 @@ def test_gradcheck():
                 (rows, cols, s, b))
 
 
-def test_opcheck():
-    rows, cols = features(20, 6, torch.float32, seed=8), features(45, 6, torch.float32, seed=9)
-    s, b = torch.tensor(14.3), torch.tensor(-1.0)
-    fwd, bwd = OPS.contrastive_lse_forward.default, OPS.contrastive_lse_backward.default
-    torch.library.opcheck(fwd, (rows, cols, s, None, 3, True, "fused", WS, False))
-    torch.library.opcheck(fwd, (rows, cols, s, None, 3, True, "chunked", WS, False))
-    torch.library.opcheck(fwd, (rows, cols, s, b, 0, False, "chunked", WS, True))
-    for deterministic in (False, True):
-        torch.library.opcheck(fwd, (rows.clone().requires_grad_(), cols.clone().requires_grad_(),
-                                    s.clone().requires_grad_(), b.clone().requires_grad_(), 3, True, "chunked", WS,
-                                    deterministic))
-    row_lse, _, col_lse = OPS.contrastive_lse_forward(rows, cols, s, b, 3, True, "fused", WS, False)
-    g = torch.randn(20), torch.randn(20), torch.randn(45)
-    torch.library.opcheck(bwd, (*g, rows, cols, s, b, 3, row_lse, col_lse, "chunked", WS, True))
-    torch.library.opcheck(bwd, (g[0], g[1], None, rows, cols, s, None, 3, row_lse, None, "fused", WS, False))
-
-
 def test_compile_fullgraph():
     img, txt = features(40, 16, torch.float32, seed=10), features(40, 16, torch.float32, seed=11)
     s = torch.tensor(14.3, requires_grad=True)

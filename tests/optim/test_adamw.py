@@ -462,15 +462,6 @@ def test_op_rejects_mismatched_inputs():
         step([p.double()], [g.double()], [m], [v], [1], *args)
 
 
-def test_opcheck():
-    gen = torch.Generator().manual_seed(2)
-    tensors = [[torch.randn(n, generator=gen).to(d) for n in (5, 17)] for d in
-               (torch.bfloat16, torch.bfloat16, torch.float32, torch.float32)]
-    tensors[3] = [t.abs() for t in tensors[3]]
-    torch.library.opcheck(torch.ops.clipshard.adamw_step_.default,
-                          (*tensors, [2, 2], 1e-3, 0.9, 0.999, 1e-8, 0.01, False, True, 3, 4))
-
-
 # --- to_half_precision_ ---------------------------------------------------------------------------
 
 def _small_model(seed):
