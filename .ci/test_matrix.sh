@@ -35,21 +35,23 @@ sys.exit(0 if f.startswith('$(realpath "$dir")') or f.startswith('$dir') else 'i
     echo "$name: $((SECONDS - start)) s"
 }
 
-THREE_RANKS=tests/test_transformers_distributed.py::test_loss_and_ddp_gradients_equal_the_global_batch[3]
+HF=tests/integrations/transformers
+OC=tests/integrations/open_clip
+THREE_RANKS=$HF/test_transformers_distributed.py::test_loss_and_ddp_gradients_equal_the_global_batch[3]
 start=$SECONDS
 venv transformers-4.50 transformers==4.50.3
 venv transformers-4.57 transformers==4.57.6
 venv open_clip-2.26 open_clip_torch==2.26.1
 echo "matrix venvs: $((SECONDS - start)) s"
 # the oldest supported transformers: 1 and 2 ranks, GradCache through the patch, and Trainer on 2 ranks
-run transformers-4.50 transformers tests/test_transformers_patch.py tests/test_transformers_distributed.py \
-    tests/test_grad_cache_transformers.py tests/test_transformers_trainer.py --deselect "$THREE_RANKS"
+run transformers-4.50 transformers $HF/test_transformers_patch.py $HF/test_transformers_distributed.py \
+    $HF/test_grad_cache_transformers.py $HF/test_transformers_trainer.py --deselect "$THREE_RANKS"
 # the last 4.x: 1 and 2 ranks, GradCache through the patch
-run transformers-4.57 transformers tests/test_transformers_patch.py tests/test_transformers_distributed.py \
-    tests/test_grad_cache_transformers.py --deselect "$THREE_RANKS"
+run transformers-4.57 transformers $HF/test_transformers_patch.py $HF/test_transformers_distributed.py \
+    $HF/test_grad_cache_transformers.py --deselect "$THREE_RANKS"
 # the oldest supported open_clip (the first with open_clip_train as a package): the patch, the text
 # tower, and open_clip_train against stock with its default flags, distillation, and the 16-bit
 # recipe with its resume (the loss-flag variants do not depend on the release)
-run open_clip-2.26 open_clip tests/test_open_clip_patch.py tests/test_open_clip_text_tower.py \
-    tests/test_open_clip_train.py --deselect "tests/test_open_clip_train.py::test_fp32_losses_match_stock_open_clip_train[local+gather]"
+run open_clip-2.26 open_clip $OC/test_open_clip_patch.py $OC/test_open_clip_text_tower.py \
+    $OC/test_open_clip_train.py --deselect "$OC/test_open_clip_train.py::test_fp32_losses_match_stock_open_clip_train[local+gather]"
 echo "matrix: $((SECONDS - start)) s"

@@ -9,10 +9,13 @@ Inf. Usage: python benchmarks/measure_fp16_second_moment.py [--steps 2000] [--js
 """
 import argparse
 import json
+import os
+import sys
 
 import torch
 
-from clipshard.reference import half_neighbours
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for tests/
+from tests.references.rounding import half_neighbours  # noqa: E402
 
 ENCODINGS = {  # name: (storage dtype, encode v -> stored, decode stored -> v)
     "fp16 v": (torch.float16, lambda v: v, lambda s: s),

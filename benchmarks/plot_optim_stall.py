@@ -1,6 +1,6 @@
 """The stall that stochastic rounding prevents, as loss curves.
 
-The regression of clipshard.reference.stall_regression (the one tests/test_optim.py checks: 256
+The regression of tests/optim/stall_problem.py (the one tests/optim/test_adamw.py checks: 256
 samples, 64 weights initialised at 1.0, targets from weights 1 + 0.1 * N(0, 1)) trained with
 clipshard.optim.AdamW (lr 1e-3, no weight decay) three ways: fp32 weights and states; bf16 weights
 and states with stochastic rounding; the same with round to nearest. Adam moves each weight by
@@ -12,10 +12,12 @@ Usage: python benchmarks/plot_optim_stall.py --out DIR [--steps 400] [--device c
 import argparse
 import json
 import os
+import sys
 
 import torch
 
-from clipshard.reference import stall_regression
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root, for tests/
+from tests.optim.stall_problem import stall_regression  # noqa: E402
 
 
 def main():

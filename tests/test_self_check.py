@@ -18,11 +18,12 @@ import pytest
 import torch
 
 import clipshard
-from clipshard import reference
 from clipshard.diagnostics import bit_checks, self_check
 from clipshard.diagnostics.environment import has_cuda_kernels
 from clipshard.diagnostics.kernel_checks import CHECKS
 from clipshard.diagnostics.self_check import FALLBACK, exit_status, format_results, main
+from tests.references.adamw import adamw_step_fp32_reference, philox_words_at
+from tests.references.stochastic_round import philox_stream_reference, stochastic_round_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -145,8 +146,8 @@ def _canonical_nans(x, stored):
 
 
 def _stochastic_round_reference(x, dtype):
-    words = reference.philox_stream_reference(bit_checks._SR_SEED, bit_checks._SR_OFFSET, x.numel())
-    return _canonical_nans(x, reference.stochastic_round_reference(x, words, dtype))
+    words = philox_stream_reference(bit_checks._SR_SEED, bit_checks._SR_OFFSET, x.numel())
+    return _canonical_nans(x, stochastic_round_reference(x, words, dtype))
 
 
 def _store(values, dtype, number, role, index_base):
@@ -154,9 +155,9 @@ def _store(values, dtype, number, role, index_base):
     x = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
     if dtype == torch.float32:
         return torch.where(torch.isnan(x), float("nan"), x)  # torch's NaN is the canonical NaN
-    words = reference.philox_words_at(bit_checks._ADAMW_SEED, bit_checks._ADAMW_OFFSET, 3 * number + role,
+    words = philox_words_at(bit_checks._ADAMW_SEED, bit_checks._ADAMW_OFFSET, 3 * number + role,
                                       index_base + np.arange(x.numel()))
-    return _canonical_nans(x, reference.stochastic_round_reference(x, words, dtype))
+    return _canonical_nans(x, stochastic_round_reference(x, words, dtype))
 
 
 def _adamw_reference(tensors, state_dtype):
@@ -166,7 +167,7 @@ def _adamw_reference(tensors, state_dtype):
         v32 = v.float().numpy()
         if state_dtype == torch.float16:
             v32 = (v32 * v32) * (v32 * v32)  # decode v^(1/4) in the kernels' order
-        p1, m1, v1 = reference.adamw_step_fp32_reference(p.float().numpy(), g.float().numpy(), m.float().numpy(),
+        p1, m1, v1 = adamw_step_fp32_reference(p.float().numpy(), g.float().numpy(), m.float().numpy(),
                                                          v32, bit_checks._ADAMW_STEP, **bit_checks._ADAMW)
         if state_dtype == torch.float16:
             v1 = np.sqrt(np.sqrt(v1))

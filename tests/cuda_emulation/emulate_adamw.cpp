@@ -1,5 +1,5 @@
 // Runs the CUDA AdamW kernel and its launcher (csrc/cuda/adamw_kernels.cuh) on the host through
-// emulate_cuda.h, on cases written by tests/test_adamw_cuda_emulation.py, which compares the
+// emulate_cuda.h, on cases written by tests/cuda_emulation/test_adamw_cuda_emulation.py, which compares the
 // results bit for bit with the CPU kernel.
 // Build: g++ -std=c++20 -O1 -I<repo>/csrc/cuda -I<repo>/csrc/include -I<this folder> emulate_adamw.cpp
 // Usage: emulate_adamw DIR. DIR/cases.txt:

@@ -6,7 +6,7 @@
 // as the fp32-output GEMMs write them.
 // Build: g++ -std=c++20 -O1 -pthread -I<repo>/csrc/cuda -I<repo>/csrc/include -I<torch>/include
 // Prints one line per case and exits non-zero on any mismatch.
-// tests/test_distill_cuda_emulation.py builds and runs it, and once more against a broken copy of
+// tests/cuda_emulation/test_distill_cuda_emulation.py builds and runs it, and once more against a broken copy of
 // the kernels, which must fail.
 #include "emulate_cuda.h"
 // The kernels, compiled as host code:

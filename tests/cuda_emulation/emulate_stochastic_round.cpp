@@ -1,5 +1,5 @@
 // Runs the CUDA stochastic-rounding kernels (csrc/cuda/stochastic_round_kernels.cuh) on the host
-// through emulate_cuda.h, on cases written by tests/test_stochastic_round_cuda_emulation.py, which
+// through emulate_cuda.h, on cases written by tests/cuda_emulation/test_stochastic_round_cuda_emulation.py, which
 // compares the results bit for bit with the CPU kernel.
 // Build: g++ -std=c++20 -O1 -I<repo>/csrc/cuda -I<repo>/csrc/include -I<this folder> emulate_stochastic_round.cpp
 // Usage: emulate_stochastic_round DIR. DIR/cases.txt: <cases>, then per case: <n> <bf16> <saturate>

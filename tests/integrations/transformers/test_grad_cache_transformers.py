@@ -1,0 +1,74 @@
+"""apply_to_transformers(micro_batch_size=m): a covered model's return_loss=True trains through
+clipshard.GradCache with the gradients of apply_to_transformers() (fp64 within 1e-10 relative), in
+one process (CLIPModel, SiglipModel) and inside DistributedDataParallel on 2 gloo ranks with
+find_unused_parameters=True as Trainer sets it (CLIPModel, unequal local batches); evaluation calls
+(no grad) return the usual output."""
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("transformers", reason="transformers is not installed: pip install '.[transformers]'")
+
+import clipshard  # noqa: E402
+from tests.dist_utils import run_group  # noqa: E402
+from tests.integrations.transformers.hf_tiny_models import (  # noqa: E402
+    fp64_default_dtype, gradient_errors, tiny_inputs, tiny_model)
+
+MICRO = 2
+
+
+def _step(name, inputs, micro_batch_size, wrap=lambda m: m):
+    """(loss, gradients) of one return_loss=True step of the fp64 tiny model under the patch."""
+    model = tiny_model(name).double()
+    patch = clipshard.apply_to_transformers(micro_batch_size=micro_batch_size)
+    try:
+        wrapped = wrap(model)
+        inputs = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+        with fp64_default_dtype():
+            loss = wrapped(**inputs, return_loss=True).loss
+            (loss * 0.1).backward()
+    finally:
+        patch.undo()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("name", ["CLIPModel", "SiglipModel"])
+def test_one_process_gradients_equal_the_patch_without_micro_batches(name):
+    inputs = tiny_inputs(name, 5, seed=3)
+    our_loss, ours = _step(name, inputs, MICRO)
+    loss, reference = _step(name, inputs, None)
+    assert ours.keys() == reference.keys()
+    assert abs(our_loss - loss) <= 1e-12 * abs(loss)
+    assert max(gradient_errors(ours, reference).values()) <= 1e-10
+
+
+def test_evaluation_calls_return_the_usual_output():
+    model = tiny_model("CLIPModel").double()
+    inputs = {k: v.double() if v.is_floating_point() else v for k, v in tiny_inputs("CLIPModel", 5, 4).items()}
+    patch = clipshard.apply_to_transformers(micro_batch_size=MICRO)
+    try:
+        with torch.no_grad(), fp64_default_dtype():
+            output = model(**inputs, return_loss=True)
+    finally:
+        patch.undo()
+    assert output.logits_per_image is not None and output.loss is not None
+
+
+def _ddp_rank(rank, world_size):
+    inputs = tiny_inputs("CLIPModel", 3 + 2 * rank, seed=10 + rank)  # 3 and 5 rows: 2 and 3 micro-batches
+
+    def ddp(model):
+        return torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    buffer = io.BytesIO()  # tensors go back serialised (see tests/optim/test_adamw_fsdp2.py)
+    torch.save((_step("CLIPModel", inputs, MICRO, ddp), _step("CLIPModel", inputs, None, ddp)), buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch without torch.distributed")
+def test_inside_ddp_gradients_equal_the_patch_without_micro_batches():
+    for result in run_group(_ddp_rank, 2, timeout=240):
+        (our_loss, ours), (loss, reference) = torch.load(io.BytesIO(result))
+        assert abs(our_loss - loss) <= 1e-12 * abs(loss)
+        assert max(gradient_errors(ours, reference).values()) <= 1e-10

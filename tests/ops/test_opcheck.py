@@ -1,0 +1,184 @@
+"""torch.library.opcheck for every op registered in torch.ops.clipshard: the schema (aliasing and
+mutation as declared), the autograd registration, the fake (meta) kernel against the real one, and
+AOT dispatch with dynamic shapes. The ops are listed from the dispatcher, so an op added without a
+case here fails test_every_registered_op_has_an_opcheck; each case runs on the CPU (fp32 and fp64,
+small odd sizes, random data) and, where the op has a CUDA kernel, on a GPU (fp32 and bf16, marked
+`cuda`)."""
+import pytest
+import torch
+
+import clipshard  # noqa: F401  (the ops, their fake kernels and autograd formulas)
+import clipshard.optim  # noqa: F401  (adamw_step_'s fake kernel)
+
+NAMESPACE = "clipshard"
+WS = 1 << 12  # a workspace budget that splits the chunked algorithms into several chunks
+
+
+def _registered():
+    """The names of the ops torch.ops.clipshard has (the dispatcher's list, not a hand-kept one)."""
+    prefix = NAMESPACE + "::"
+    return {name[len(prefix):] for name in torch._C._dispatch_get_all_op_names() if name.startswith(prefix)}
+
+
+def _features(n, d, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.nn.functional.normalize(torch.randn(n, d, generator=gen, dtype=torch.float64), dim=-1).to(device, dtype)
+
+
+def _scalar(value, dtype, device):
+    """A 0-dim logit scale or bias for features of `dtype`: fp64 for fp64 features, else fp32."""
+    return torch.tensor(value, dtype=torch.float64 if dtype == torch.float64 else torch.float32, device=device)
+
+
+def _grad(*tensors):
+    return [t.detach().clone().requires_grad_() for t in tensors]
+
+
+def _wide(device):
+    """The second feature dtype checked: fp64 on the CPU, bf16 on CUDA (whose kernels take no fp64)."""
+    return torch.float64 if device == "cpu" else torch.bfloat16
+
+
+def _stochastic_round(device):
+    x = torch.randn(3, 67, generator=torch.Generator().manual_seed(1)).to(device)
+    return [(x, half, 3, 4, False) for half in (torch.float16, torch.bfloat16)] + [
+        (x.clone().requires_grad_(), torch.bfloat16, 5, 6, True)]
+
+
+def _stochastic_round_into(device):
+    x = torch.randn(3, 67, generator=torch.Generator().manual_seed(2)).to(device)
+    return [(torch.empty(3, 67, dtype=half, device=device), x, 3, 4, True) for half in (torch.float16, torch.bfloat16)]
+
+
+def _philox_words(device):
+    return [(3, 4, 10), (2**63 - 1, -1, 9, 5, "header"), (7, 8, 13, 0, "aten")]
+
+
+def _addmm_probe(device):
+    return [(torch.device(device), torch.float16), (torch.device(device), torch.bfloat16)]
+
+
+def _adamw_step(device):
+    gen = torch.Generator().manual_seed(2)
+
+    def tensors(param_dtype, state_dtype):
+        out = [[torch.randn(n, generator=gen).to(device, d) for n in (5, 17)]
+               for d in (param_dtype, param_dtype, state_dtype, state_dtype)]
+        out[3] = [t.abs() for t in out[3]]
+        return out
+    hyper = (1e-3, 0.9, 0.999, 1e-8, 0.01, False)
+    return [(*tensors(torch.bfloat16, torch.float32), [2, 2], *hyper, True, 3, 4),
+            (*tensors(torch.float32, torch.float16), [1, 3], *hyper, False, 3, 4, [4, 7], [0, 9])]
+
+
+def _contrastive_inputs(device, dtype, seed):
+    return (_features(20, 6, dtype, device, seed), _features(45, 6, dtype, device, seed + 1),
+            _scalar(14.3, dtype, device), _scalar(-1.0, dtype, device))
+
+
+def _contrastive_lse_forward(device):
+    rows, cols, s, b = _contrastive_inputs(device, torch.float32, 8)
+    cases = [(rows, cols, s, None, 3, True, "fused", WS, False), (rows, cols, s, None, 3, True, "chunked", WS, False),
+             (rows, cols, s, b, 0, False, "chunked", WS, True)]
+    cases += [(*_grad(rows, cols, s, b), 3, True, "chunked", WS, deterministic) for deterministic in (False, True)]
+    return cases + [(*_grad(*_contrastive_inputs(device, _wide(device), 10)), 3, True, algorithm, WS, False)
+                    for algorithm in ("fused", "chunked")]
+
+
+def _contrastive_lse_backward(device):
+    cases = []
+    for dtype in (torch.float32, _wide(device)):
+        rows, cols, s, b = _contrastive_inputs(device, dtype, 8)
+        row_lse, _, col_lse = torch.ops.clipshard.contrastive_lse_forward(rows, cols, s, b, 3, True, "fused", WS, False)
+        gen = torch.Generator().manual_seed(12)
+        g = [torch.randn(n, generator=gen, dtype=torch.float64).to(device, row_lse.dtype) for n in (20, 20, 45)]
+        cases += [(*g, rows, cols, s, b, 3, row_lse, col_lse, "chunked", WS, True),
+                  (g[0], g[1], None, rows, cols, s, None, 3, row_lse, None, "fused", WS, False)]
+    return cases
+
+
+def _siglip_forward(device):
+    rows, cols = _features(20, 6, torch.float32, device, 8), _features(45, 6, torch.float32, device, 9)
+    s, b = _scalar(10.0, torch.float32, device), _scalar(-10.0, torch.float32, device)
+    grad_args = _grad(rows, cols, s, b)
+    wide = _grad(rows.to(_wide(device)), cols.to(_wide(device)), _scalar(10.0, _wide(device), device))
+    return [(rows, cols, s, None, 3, False, 1 << 20), (rows, cols, s, b, 0, True, 1 << 20), (*grad_args, 3, True, 1),
+            (*wide, None, 25, True, 1 << 20),
+            (*grad_args, None, True, 1)]  # a block without positives
+
+
+def _distill_inputs(device, dtype, seed):
+    """rows (M x D), cols (K x D), teacher_rows (T x M x Dt), teacher_cols (T x K x Dt), scale, teacher_scale."""
+    m, k, d, t, dt = 7, 19, 5, 2, 3
+    teacher_rows = torch.stack([_features(m, dt, dtype, device, seed + 2 + i) for i in range(t)])
+    teacher_cols = torch.stack([_features(k, dt, dtype, device, seed + 4 + i) for i in range(t)])
+    return (_features(m, d, dtype, device, seed), _features(k, d, dtype, device, seed + 1), teacher_rows,
+            teacher_cols, _scalar(14.3, torch.float32, device), torch.tensor([10.0, 17.0], device=device))
+
+
+def _distill_lse(device):
+    inputs = _distill_inputs(device, torch.float32, 20)
+    student_only = (*_grad(*inputs[:2]), *inputs[2:4], *_grad(inputs[4]), inputs[5])
+    return [(*inputs, 4, True, WS), (*inputs, 0, False, 1 << 20), (*_grad(*inputs), 4, True, WS),
+            (*student_only, 0, True, WS), (*_grad(*_distill_inputs(device, _wide(device), 25)), 4, True, WS)]
+
+
+def _distill_lse_backward(device):
+    cases = []
+    for dtype in (torch.float32, _wide(device)):
+        inputs = _distill_inputs(device, dtype, 30)
+        stats = torch.ops.clipshard.distill_lse(*inputs, 4, True, WS)
+        gen = torch.Generator().manual_seed(31)
+        grads = [torch.randn(x.shape, generator=gen, dtype=torch.float64).to(device, x.dtype) for x in stats]
+        row_lse, _, teacher_row_lse, row_cross, col_lse, teacher_col_lse, col_cross = stats
+        saved = (row_lse, teacher_row_lse, row_cross, col_lse, teacher_col_lse, col_cross)
+        some = [grads[0], grads[1], None, grads[3], None, grads[5], None]
+        cases += [(*grads, *inputs, 4, *saved, True, WS), (*some, *inputs, 4, *saved, False, WS)]
+    return cases
+
+
+# op name: a function (device) -> the argument tuples to check
+CASES = {
+    "stochastic_round": _stochastic_round,
+    "stochastic_round_into": _stochastic_round_into,
+    "philox_words": _philox_words,
+    "_addmm_accepts_fp32_accumulator": _addmm_probe,
+    "adamw_step_": _adamw_step,
+    "contrastive_lse_forward": _contrastive_lse_forward,
+    "contrastive_lse_backward": _contrastive_lse_backward,
+    "siglip_forward": _siglip_forward,
+    "distill_lse": _distill_lse,
+    "distill_lse_backward": _distill_lse_backward,
+}
+# philox_words is a CPU test helper; every other op has a CUDA kernel or (the addmm probe) a CUDA answer.
+CUDA_CASES = sorted(set(CASES) - {"philox_words"})
+
+
+def _opcheck(name, device):
+    op = getattr(torch.ops.clipshard, name).default
+    for args in CASES[name](device):
+        torch.library.opcheck(op, args)
+
+
+def test_every_registered_op_has_an_opcheck():
+    registered = _registered()
+    assert registered == set(CASES), (f"registered without an opcheck case: {sorted(registered - set(CASES))}; "
+                                      f"cases of ops that are not registered: {sorted(set(CASES) - registered)}")
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_opcheck_cpu(name):
+    _opcheck(name, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", CUDA_CASES)
+def test_opcheck_cuda(name):
+    _opcheck(name, "cuda")
+
+
+@pytest.mark.cuda
+def test_every_cuda_kernel_has_a_cuda_opcheck():
+    with_kernel = {name for name in _registered()
+                   if torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{name}", "CUDA")}
+    assert with_kernel and with_kernel <= set(CUDA_CASES), sorted(with_kernel - set(CUDA_CASES))
