@@ -20,6 +20,7 @@ VARIABLES = {
     "CLIPSHARD_ALGORITHM": "'torch' makes every algorithm='auto' run the portable torch path",
     "CLIPSHARD_CHUNKED_FORWARD_ROWS": "rows per CTA of the CUDA chunked forward kernel (16 or 32)",
     "CLIPSHARD_ADDMM_FP32_ACCUMULATOR": "'0' makes the chunked backward of 16-bit features use an fp32 buffer",
+    "CLIPSHARD_FIRST_USE_CHECK": "'0' turns off the first-use check of the compiled CUDA kernels (docs/first_use.md)",
 }
 
 
