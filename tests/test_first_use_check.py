@@ -425,8 +425,8 @@ def test_every_probe_passes_on_every_gpu(monkeypatch):
             start = time.perf_counter()
             with no_warnings():
                 assert first_use._check(probe, algorithm, device, dtypes)
-            milliseconds = 1e3 * (time.perf_counter() - start)
-            print(f"first-use check {probe} {algorithm} {device} {dtypes}: {milliseconds:.2f} ms")
+            milliseconds, names = 1e3 * (time.perf_counter() - start), "/".join(map(str, dtypes))
+            print(f"\nfirst-use check {milliseconds:.2f} ms: {probe} {algorithm} {device} {names}")
 
 
 @pytest.mark.cuda
