@@ -316,15 +316,21 @@ def test_no_check_on_devices_that_are_not_listed(monkeypatch):
     assert not probe.calls and not first_use._verdicts
 
 
-def test_no_check_while_a_cuda_graph_is_captured(checked, monkeypatch):
+def test_no_check_while_a_cuda_graph_is_captured_or_no_gpu_can_run_it(checked, monkeypatch):
     probe = break_probe(monkeypatch, "contrastive_lse")
-    monkeypatch.setattr(first_use, "_capturing", lambda device: True)
+    monkeypatch.setattr(first_use, "_can_run_now", lambda device: False)
     with no_warnings():
         clipshard.contrastive_lse(features(9, 8), features(20, 8), 10.0)
     assert not probe.calls and not first_use._verdicts  # tried again on the next call outside a capture
-    monkeypatch.setattr(first_use, "_capturing", lambda device: False)
+    monkeypatch.setattr(first_use, "_can_run_now", lambda device: True)
     with pytest.warns(UserWarning, match="first-use check"):
         clipshard.contrastive_lse(features(9, 8), features(20, 8), 10.0)
+
+
+def test_no_gpu_to_run_the_check_means_no_verdict(monkeypatch):
+    """Fake CUDA tensors traced on a machine without a GPU: nothing can run, so nothing is decided."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not first_use._can_run_now(torch.device("cuda", 0)) and first_use._can_run_now(CPU)
 
 
 # --- the caller's context -----------------------------------------------------------------------

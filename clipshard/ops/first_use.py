@@ -21,7 +21,7 @@ for the "auto" rule): the check runs eagerly then, outside the graph, and the gr
 it chose; no graph break. The check itself runs on fresh tensors, under no_grad, without autocast
 and with every Python dispatch mode (fake tensors, tracing) set aside, so it neither sees nor
 records anything of the caller's; it is skipped (and tried again on the next call) while a CUDA
-graph is being captured.
+graph is being captured, and where no GPU is there to run it (fake CUDA tensors on a CPU machine).
 """
 import contextlib
 import threading
@@ -266,16 +266,18 @@ def _first_verdict(key):
     supported = _algorithm._COMPILED_DTYPES.get(device.type)
     if device.type not in CHECKED_DEVICE_TYPES or (supported is not None and any(d not in supported for d in dtypes)):
         return True  # not checked here (or no compiled kernel takes these dtypes: it raises its own error)
-    if _capturing(device):
-        return True  # no verdict yet: checked on the first call outside the capture
+    if not _can_run_now(device):
+        return True  # no verdict yet: checked on the first call that can run it
     with _lock:
         if key not in _verdicts:
             _verdicts[key] = _check(*key)
         return _verdicts[key]
 
 
-def _capturing(device):
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+def _can_run_now(device):
+    """False while a CUDA graph is being captured (the check synchronises) and where no CUDA device
+    can run anything (fake CUDA tensors traced on a machine without a GPU)."""
+    return device.type != "cuda" or (torch.cuda.is_available() and not torch.cuda.is_current_stream_capturing())
 
 
 def _check(probe_name, algorithm, device, dtypes):
