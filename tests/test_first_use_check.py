@@ -366,6 +366,17 @@ def test_under_torch_compile_a_passing_kernel_is_in_the_graph(checked, monkeypat
     assert len(probe.calls) == 1 and not torch_path.calls
 
 
+def test_under_torch_compile_the_rounding_fallback_is_traced(checked, monkeypatch):
+    break_probe(monkeypatch, "stochastic_round")
+    x = torch.randn(33) * 5
+    compiled = torch.compile(lambda x: clipshard.stochastic_round(x, torch.bfloat16, seed=5, offset=6),
+                             backend="aot_eager", fullgraph=True)
+    with pytest.warns(UserWarning, match="first-use check"):
+        got = compiled(x)
+    want = torch.ops.clipshard.stochastic_round(x, torch.bfloat16, 5, 6, False)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def test_under_fake_tensors_the_check_runs_on_real_ones(checked, monkeypatch):
     probe = break_probe(monkeypatch, "contrastive_lse")
     with FakeTensorMode():
