@@ -136,8 +136,9 @@ step "benchmarks (CUDA)"
 # name and time limit; the rank simulation is the headline (M = 8192 vs K = 65536, D = 768, bf16).
 # Limits: about 1.5-3x the per-step estimates of docs/gpu_check.md. With the checks before the
 # build (~15 s), the addmm probe (~5 s), the self-check (20 s) and the first-use check (20 s): 15 +
-# build 140 + 5 + 20 + 20 + tests 140 + benchmarks (35 + 25 + 45 + 20 + 15 = 140) = 480 s, the budget; bench_distill (DistillClipLoss
-# vs open_clip's, B = 8192, bf16) comes last and runs in what is left, at most 25 s.
+# build 140 + 5 + 20 + 20 + tests 140 + benchmarks (35 + 25 + 45 + 20 + 15 = 140) = 480 s, the
+# budget; bench_distill (DistillClipLoss vs open_clip's, B = 8192, bf16) comes last and runs in
+# what is left, at most 25 s.
 for entry in bench_rank_sim:35 bench_siglip:25 bench_loss:45 bench_optim:20 bench_stochastic_round:15 bench_distill:25; do
   name=${entry%%:*} limit=${entry##*:}
   [ -f "benchmarks/$name.py" ] || continue
