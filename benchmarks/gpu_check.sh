@@ -3,12 +3,15 @@
 # run the users' self-check (python -m clipshard) first, then every CUDA test and the CUDA
 # benchmarks, and print a summary (also when killed).
 # Usage: benchmarks/gpu_check.sh [LOG_DIR]   (or GPU_CHECK_LOGS=DIR; default ./gpu_logs)
+# LOG_DIR ends with two files (a lent GPU machine returns few): summary.txt and gpu_check_logs.tar.gz,
+# every log of the run under logs/ (the summary included); the logs are written to LOG_DIR/logs meanwhile.
 # Budget: 8 minutes on one H200 with 16 cores (GPU_CHECK_BUDGET_S); every step has its own
 # timeout, clipped to what is left, from the per-step estimates in docs/gpu_check.md (which says
 # how to run it on a lent machine).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-LOG_DIR=${1:-${GPU_CHECK_LOGS:-gpu_logs}}
+OUT_DIR=${1:-${GPU_CHECK_LOGS:-gpu_logs}}
+LOG_DIR=$OUT_DIR/logs
 PY=${PYTHON:-python3}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-480}
 mkdir -p "$LOG_DIR"
@@ -37,11 +40,21 @@ summary() {
   for line in "${RESULTS[@]}"; do echo "-- $line"; done
   echo "-- status $status"
 }
-trap summary EXIT
+# shellcheck disable=SC2329  # the EXIT trap: the summary, then the one archive of every log
+finish() {
+  summary | tee "$LOG_DIR/summary.txt"
+  cp "$LOG_DIR/summary.txt" "$OUT_DIR/summary.txt"
+  tar -czf "$OUT_DIR/gpu_check_logs.tar.gz" -C "$OUT_DIR" logs && rm -rf "$LOG_DIR"
+  echo "gpu_check: logs in $OUT_DIR/gpu_check_logs.tar.gz, summary in $OUT_DIR/summary.txt"
+}
+trap finish EXIT
+trap 'status=143; exit 143' TERM INT  # killed: the EXIT trap still writes the summary and the archive
 
 step "GPU"
-if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  echo "gpu_check: torch.cuda.is_available() is false here: this script checks CUDA code and needs a GPU"
+if ! found=$("$PY" -c "import torch, sys; print('torch', torch.__version__)
+sys.exit(0 if torch.cuda.is_available() else 1)" 2>&1); then
+  echo "gpu_check: torch.cuda.is_available() is false here ($(echo "$found" | tail -n 1)): this script checks" \
+       "CUDA code and needs a GPU" | tee "$LOG_DIR/no_gpu.txt"
   status=2
   record "no CUDA device: nothing was checked"
   exit 2
@@ -75,7 +88,9 @@ if ! run_step 140 "$LOG_DIR/build.log" env MAX_JOBS="${MAX_JOBS:-16}" FORCE_CUDA
   exit 1
 fi
 grep -m1 -o "clipshard: building.*" "$LOG_DIR/build.log"
-record "build: ok in $((SECONDS - start)) s"
+# torch up to 2.11 passes -std=c++17 to extensions, newer ones -std=c++20 (docs/gpu_check.md)
+standard=$(grep -o -m1 -- "-std=c++[0-9]*" "$LOG_DIR/build.log" || echo "-std unknown")
+record "build: ok in $((SECONDS - start)) s ($standard)"
 # Which chunked-backward path this torch takes for 16-bit features (csrc/chunked/chunk_driver.h).
 record "$("$PY" -c "import torch, clipshard
 ok = torch.ops.clipshard._addmm_accepts_fp32_accumulator(torch.device('cuda'), torch.bfloat16)
@@ -91,9 +106,26 @@ else
   status=1
 fi
 
+step "first-use check (the check a user's first call of each CUDA kernel runs)"
+if "$PY" -c "import pytest" 2>/dev/null; then
+  if run_step 20 "$LOG_DIR/first_use.log" env CLIPSHARD_FIRST_USE_CHECK=1 "$PY" -m pytest -q -s -m cuda \
+      -p no:cacheprovider tests/test_first_use_check.py; then
+    record "first-use check: $(tail -n 1 "$LOG_DIR/first_use.log"); slowest probe: $(grep -o \
+      "first-use check [0-9.]* ms: .*" "$LOG_DIR/first_use.log" | sort -k3 -g | tail -n 1)"
+  else
+    grep -E "^(FAILED|ERROR)" "$LOG_DIR/first_use.log" | head -n 20
+    record "FIRST-USE CHECK FAILED: $(tail -n 1 "$LOG_DIR/first_use.log")"
+    status=1
+  fi
+else
+  record "first-use check not run: pytest missing"
+fi
+
 step "CUDA tests"
 if "$PY" -c "import pytest" 2>/dev/null; then
-  run_step 160 "$LOG_DIR/cuda_tests.log" "$PY" -m pytest -q -m cuda -p no:cacheprovider tests || status=1
+  # With the first-use check off, so that its fallback can never stand in for a kernel a test checks.
+  run_step 140 "$LOG_DIR/cuda_tests.log" env CLIPSHARD_FIRST_USE_CHECK=0 "$PY" -m pytest -q -m cuda \
+    -p no:cacheprovider tests --ignore=tests/test_first_use_check.py || status=1
   grep -E "^(FAILED|ERROR)" "$LOG_DIR/cuda_tests.log" | head -n 40
   record "CUDA tests: $(tail -n 1 "$LOG_DIR/cuda_tests.log")"
 else
@@ -103,9 +135,10 @@ fi
 step "benchmarks (CUDA)"
 # name and time limit; the rank simulation is the headline (M = 8192 vs K = 65536, D = 768, bf16).
 # Limits: about 1.5-3x the per-step estimates of docs/gpu_check.md. With the checks before the
-# build (~15 s), the addmm probe (~5 s) and the self-check (20 s): 15 + build 140 + 5 + 20 + tests
-# 160 + benchmarks (35 + 25 + 45 + 20 + 15 = 140) = 480 s, the budget; bench_distill (DistillClipLoss
-# vs open_clip's, B = 8192, bf16) comes last and runs in what is left, at most 25 s.
+# build (~15 s), the addmm probe (~5 s), the self-check (20 s) and the first-use check (20 s): 15 +
+# build 140 + 5 + 20 + 20 + tests 140 + benchmarks (35 + 25 + 45 + 20 + 15 = 140) = 480 s, the
+# budget; bench_distill (DistillClipLoss vs open_clip's, B = 8192, bf16) comes last and runs in
+# what is left, at most 25 s.
 for entry in bench_rank_sim:35 bench_siglip:25 bench_loss:45 bench_optim:20 bench_stochastic_round:15 bench_distill:25; do
   name=${entry%%:*} limit=${entry##*:}
   [ -f "benchmarks/$name.py" ] || continue

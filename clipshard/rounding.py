@@ -15,6 +15,7 @@ import torch
 
 from clipshard import _random
 from clipshard._checks import check_bool, check_generator
+from clipshard.ops import first_use
 
 _TARGETS = (torch.float16, torch.bfloat16)
 
@@ -85,7 +86,7 @@ def stochastic_round(x: torch.Tensor, dtype: torch.dtype = torch.float16, *, see
     _check_target(fn, "dtype", dtype)
     check_bool(fn, "saturate", saturate)
     seed, offset = _seed_offset(fn, x.device, seed, offset, generator)
-    return torch.ops.clipshard.stochastic_round(x, dtype, seed, offset, saturate)
+    return first_use.kernel("stochastic_round", x.device, dtype)(x, dtype, seed, offset, saturate)
 
 
 def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, *, seed: int | None = None,
@@ -112,7 +113,8 @@ def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, *, seed: int | None 
     if torch.is_grad_enabled() and (src.requires_grad or dst.requires_grad):
         # copy_ brings torch's in-place checks and records the write in dst's history; the values
         # are those of the fused kernel (both number elements in row-major order).
-        return dst.copy_(torch.ops.clipshard.stochastic_round(src, dst.dtype, seed, offset, saturate))
-    torch.ops.clipshard.stochastic_round_into(dst, src, seed, offset, saturate)
+        round_ = first_use.kernel("stochastic_round", src.device, dst.dtype)
+        return dst.copy_(round_(src, dst.dtype, seed, offset, saturate))
+    first_use.kernel("stochastic_round_into", src.device, dst.dtype)(dst, src, seed, offset, saturate)
     torch.autograd.graph.increment_version(dst)  # the kernel writes through a pointer autograd cannot see
     return dst

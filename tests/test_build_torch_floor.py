@@ -7,6 +7,7 @@ the floor up for nothing). A new feature from a newer torch must be added here; 
 discover unlisted APIs by itself."""
 import pathlib
 import re
+import subprocess
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -69,3 +70,12 @@ def test_no_build_decision_by_torch_version_macro():
     offenders = [str(p.relative_to(ROOT)) for p in ROOT.glob("csrc/**/*")
                  if p.suffix in (".h", ".cpp", ".cu", ".cuh") and "TORCH_VERSION_M" in p.read_text()]
     assert not offenders, f"TORCH_VERSION_MAJOR/MINOR used in {offenders}"
+
+
+def test_ci_compiles_the_sources_as_cxx17_against_the_floor():
+    """torch up to 2.11 builds extensions with -std=c++17, CI's torch with -std=c++20: CI's
+    .ci/cxx17_check.sh compiles csrc as C++17 against the floor's headers (docs/gpu_check.md)."""
+    assert "bash .ci/cxx17_check.sh" in (ROOT / ".ci" / "run").read_text()
+    done = subprocess.run(["bash", str(ROOT / ".ci" / "cxx17_check.sh"), "--version"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0 and done.stdout.split() == ["%d.%d.0" % pyproject_floor()], done.stderr

@@ -77,8 +77,8 @@ FORBIDDEN = {
     "clipshard.ops": ("clipshard.parallel", "clipshard.loss", "clipshard.siglip", "clipshard.optim",
                       "clipshard.integrations"),
     "clipshard.parallel": ("clipshard.loss", "clipshard.siglip", "clipshard.optim", "clipshard.integrations"),
-    "clipshard.optim": ("clipshard.ops", "clipshard.parallel", "clipshard.loss", "clipshard.siglip",
-                        "clipshard.integrations"),
+    # optim/ sits beside ops/ (DESIGN 19): it may use ops' single-device pieces (ops/first_use.py)
+    "clipshard.optim": ("clipshard.parallel", "clipshard.loss", "clipshard.siglip", "clipshard.integrations"),
 }
 
 

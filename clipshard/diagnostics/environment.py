@@ -21,6 +21,7 @@ VARIABLES = {
     "CLIPSHARD_CHUNKED_FORWARD_ROWS": "rows per CTA of the CUDA chunked forward kernel (16 or 32)",
     "CLIPSHARD_ADDMM_FP32_ACCUMULATOR": "'0' makes the chunked backward of 16-bit features use an fp32 buffer",
     "CLIPSHARD_CPU_ISA": "avx512, avx2 or baseline: the widest vector code the CPU kernels may use",
+    "CLIPSHARD_FIRST_USE_CHECK": "'0' turns off the first-use check of the compiled CUDA kernels (docs/first_use.md)",
 }
 # How clipshard's readers of these variables (clipshard/ops/_algorithm.py, csrc/env_vars.h) word a
 # value they do not accept: "the environment variable NAME must be <what is accepted>, got <value>".

@@ -13,7 +13,7 @@ kernel (clipshard/ops/portable_lse.py, docs/portable.md).
 import torch
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
-from clipshard.ops import _algorithm
+from clipshard.ops import first_use
 from clipshard.ops._block_checks import accumulate_dtype, check_block_features, check_logit_scalar
 from clipshard._checks import check_flags
 from clipshard.ops._workspace import workspace_bytes as _workspace_bytes
@@ -102,7 +102,7 @@ def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=Tru
     scale = check_logit_scalar("contrastive_lse", "scale", scale, rows)
     if bias is not None:
         bias = check_logit_scalar("contrastive_lse", "bias", bias, rows)
-    algorithm = _algorithm.resolve("contrastive_lse", algorithm, rows.device, ALGORITHMS, rows.dtype)
+    algorithm = first_use.resolve("contrastive_lse", algorithm, rows.device, ALGORITHMS, rows.dtype)
     budget = _workspace_bytes("contrastive_lse", rows.device, workspace_bytes)
     if algorithm == "torch":
         return contrastive_lse_torch(rows, cols, scale, bias, pos_offset, want_col_lse, budget)
@@ -116,7 +116,7 @@ def contrastive_lse_backward(grad_row_lse, grad_pos_logit, grad_col_lse, rows, c
     full row and column LSEs of one block of a larger matrix. Arguments as the op's backward
     (scale and bias 0-dim tensors, grad_col_lse and col_lse None together); returns (d rows,
     d cols, d scale, d bias), d bias a zero when bias is None."""
-    algorithm = _algorithm.resolve("contrastive_lse", algorithm, rows.device, ALGORITHMS, rows.dtype)
+    algorithm = first_use.resolve("contrastive_lse", algorithm, rows.device, ALGORITHMS, rows.dtype)
     budget = _workspace_bytes("contrastive_lse", rows.device, workspace_bytes)
     if algorithm == "torch":
         return contrastive_lse_backward_torch(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias,

@@ -15,7 +15,7 @@ import torch
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
 from clipshard._checks import check_flags
-from clipshard.ops import _algorithm
+from clipshard.ops import _algorithm, first_use
 from clipshard.ops._block_checks import SUPPORTED_DTYPES, accumulate_dtype, check_block_features, check_logit_scalar
 from clipshard.ops._workspace import workspace_bytes as _workspace_bytes
 from clipshard.ops.portable_distill import distill_lse_backward_torch, distill_lse_torch
@@ -130,7 +130,7 @@ def distill_lse(rows, cols, teacher_rows, teacher_cols, scale, teacher_scale, po
     acc = accumulate_dtype(rows.dtype)
     scale = check_logit_scalar(fn, "scale", scale, rows).to(acc)
     teacher_scale = _check_teacher_scale(fn, teacher_scale, teacher_rows.shape[0], rows).to(acc)
-    algorithm = _algorithm.resolve(fn, algorithm, rows.device, ALGORITHMS, rows.dtype)
+    algorithm = first_use.resolve(fn, algorithm, rows.device, ALGORITHMS, rows.dtype, teacher_rows.dtype)
     budget = _workspace_bytes(fn, rows.device, workspace_bytes)
     if algorithm == "torch":
         return distill_lse_torch(rows, cols, teacher_rows, teacher_cols, scale, teacher_scale, pos_offset,
@@ -146,7 +146,7 @@ def distill_lse_backward(grads, rows, cols, teacher_rows, teacher_cols, scale, t
     zero); stats: (row_lse, teacher_row_lse, row_cross, col_lse, teacher_col_lse, col_cross); scale
     0-dim and teacher_scale (T,) in the accumulation dtype. Returns (d rows, d cols, d teacher_rows,
     d teacher_cols, d scale, d teacher_scale), the teachers' empty without teacher_grad."""
-    algorithm = _algorithm.resolve("distill_lse", algorithm, rows.device, ALGORITHMS, rows.dtype)
+    algorithm = first_use.resolve("distill_lse", algorithm, rows.device, ALGORITHMS, rows.dtype, teacher_rows.dtype)
     budget = _workspace_bytes("distill_lse", rows.device, workspace_bytes)
     if algorithm == "torch":
         return distill_lse_backward_torch(grads, rows, cols, teacher_rows, teacher_cols, scale, teacher_scale,

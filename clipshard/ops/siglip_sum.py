@@ -17,7 +17,7 @@ docs/portable.md); "auto" picks as clipshard.ops._algorithm says.
 import torch
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
-from clipshard.ops import _algorithm, _workspace
+from clipshard.ops import _workspace, first_use
 from clipshard.ops._block_checks import accumulate_dtype, check_block_features, check_logit_scalar
 from clipshard.ops.portable_siglip import siglip_block_torch, siglip_sum_torch
 
@@ -97,7 +97,7 @@ def siglip_sum(rows, cols, scale, bias=None, pos_offset=0, *, algorithm="auto", 
     scale = check_logit_scalar("siglip_sum", "scale", scale, rows)
     if bias is not None:
         bias = check_logit_scalar("siglip_sum", "bias", bias, rows)
-    algorithm = _algorithm.resolve("siglip_sum", algorithm, rows.device, ALGORITHMS, rows.dtype)
+    algorithm = first_use.resolve("siglip_sum", algorithm, rows.device, ALGORITHMS, rows.dtype)
     budget = _workspace.workspace_bytes("siglip_sum", rows.device, workspace_bytes)
     inputs = (rows, cols, scale) + ((bias,) if bias is not None else ())
     with_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
@@ -112,7 +112,7 @@ def siglip_block(rows, cols, scale, bias, pos_offset, with_grad, *, algorithm="a
     the gradients of the sum for a unit upstream gradient in siglip_forward's dtypes (unused ones
     empty or None). Arguments as siglip_sum's, scale and bias already 0-dim tensors, checked by the
     caller; pos_offset None for a block without positives."""
-    algorithm = _algorithm.resolve("siglip_sum", algorithm, rows.device, ALGORITHMS, rows.dtype)
+    algorithm = first_use.resolve("siglip_sum", algorithm, rows.device, ALGORITHMS, rows.dtype)
     budget = _workspace.workspace_bytes("siglip_sum", rows.device, workspace_bytes)
     with torch.no_grad():
         if algorithm == "torch":

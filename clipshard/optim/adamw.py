@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 
 from clipshard._checks import check_bool, check_generator
 from clipshard._random import draw_seed_offset
+from clipshard.ops import first_use
 from clipshard.optim.dtensor import check_dtensor_param, index_base, is_dtensor, local, state_in_param_layout, \
     zeros_state_like
 from clipshard.rounding import stochastic_round
@@ -192,7 +193,7 @@ class AdamW(Optimizer):
                 if random:
                     check_generator(_NAME, self.generator, device)
                 seed, offset = draw_seed_offset(device, self.generator) if random else (0, 0)
-                torch.ops.clipshard.adamw_step_(
+                first_use.kernel("adamw_step_", device, param_dtype, state_dtype)(
                     ps, gs, ms, vs, steps, float(group["lr"]), float(beta1), float(beta2),
                     float(group["eps"]), float(group["weight_decay"]), group["maximize"],
                     group["stochastic_rounding"], seed, offset, numbers, bases)
