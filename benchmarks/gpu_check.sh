@@ -102,14 +102,14 @@ if run_step 20 "$LOG_DIR/self_check.txt" "$PY" -m clipshard; then
   record "self-check: $(tail -n 1 "$LOG_DIR/self_check.txt")"
 else
   cat "$LOG_DIR/self_check.txt"
-  record "SELF-CHECK FAILED: $(grep -m1 "^FAILED" "$LOG_DIR/self_check.txt" || tail -n 1 "$LOG_DIR/self_check.txt")"
+  record "SELF-CHECK FAILED: $(grep -m1 -E "^(FAILED|PROBLEM)" "$LOG_DIR/self_check.txt" || tail -n 1 "$LOG_DIR/self_check.txt")"
   status=1
 fi
 
 step "first-use check (the check a user's first call of each CUDA kernel runs)"
 if "$PY" -c "import pytest" 2>/dev/null; then
   if run_step 20 "$LOG_DIR/first_use.log" env CLIPSHARD_FIRST_USE_CHECK=1 "$PY" -m pytest -q -s -m cuda \
-      -p no:cacheprovider tests/test_first_use_check.py; then
+      -p no:cacheprovider tests/ops/test_first_use_check.py; then
     record "first-use check: $(tail -n 1 "$LOG_DIR/first_use.log"); slowest probe: $(grep -o \
       "first-use check [0-9.]* ms: .*" "$LOG_DIR/first_use.log" | sort -k3 -g | tail -n 1)"
   else
@@ -125,7 +125,7 @@ step "CUDA tests"
 if "$PY" -c "import pytest" 2>/dev/null; then
   # With the first-use check off, so that its fallback can never stand in for a kernel a test checks.
   run_step 140 "$LOG_DIR/cuda_tests.log" env CLIPSHARD_FIRST_USE_CHECK=0 "$PY" -m pytest -q -m cuda \
-    -p no:cacheprovider tests --ignore=tests/test_first_use_check.py || status=1
+    -p no:cacheprovider tests --ignore=tests/ops/test_first_use_check.py || status=1
   grep -E "^(FAILED|ERROR)" "$LOG_DIR/cuda_tests.log" | head -n 40
   record "CUDA tests: $(tail -n 1 "$LOG_DIR/cuda_tests.log")"
 else

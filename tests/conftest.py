@@ -4,7 +4,7 @@ import pytest
 import torch
 
 # The first-use check's fallback must never stand in for a kernel a test checks, nor its warning
-# reach a test that counts warnings: off for the suite (tests/test_first_use_check.py turns it on).
+# reach a test that counts warnings: off for the suite (tests/ops/test_first_use_check.py turns it on).
 os.environ.setdefault("CLIPSHARD_FIRST_USE_CHECK", "0")
 
 

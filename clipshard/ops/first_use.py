@@ -224,7 +224,7 @@ KERNELS = {
     "stochastic_round_into": ("stochastic_round", torch.ops.clipshard.stochastic_round_into, _round_into_on_host),
     "adamw_step_": ("adamw_step_", torch.ops.clipshard.adamw_step_, _adamw_step_on_host),
 }
-# Every operator with a CUDA kernel, by the probe that checks it (tests/test_first_use_check.py
+# Every operator with a CUDA kernel, by the probe that checks it (tests/ops/test_first_use_check.py
 # compares this with the CUDA registrations in csrc).
 COVERED = {"contrastive_lse": ("contrastive_lse_forward", "contrastive_lse_backward"),
            "siglip_sum": ("siglip_forward",), "distill_lse": ("distill_lse", "distill_lse_backward"),

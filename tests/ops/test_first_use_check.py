@@ -28,7 +28,7 @@ from clipshard.ops.distill_lse import distill_lse, distill_lse_backward
 from clipshard.ops.siglip_sum import siglip_block
 from clipshard.optim import AdamW
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 
 
