@@ -20,8 +20,8 @@ import torch
 
 import clipshard
 from clipshard import reference
-from clipshard._random import as_int64
-from clipshard.ops import _algorithm
+from clipshard.ops.seeds import as_int64
+from clipshard.ops import has_compiled_kernel
 from clipshard.ops.contrastive_lse import contrastive_lse_backward
 from clipshard.ops.distill_lse import distill_lse
 
@@ -103,7 +103,7 @@ def _lse_run(rows, cols, scale, bias, upstream, algorithm):
 
 def _compiled_lse_algorithms(device):
     """The compiled algorithms of contrastive_lse registered for the device ("fused" and "chunked")."""
-    if not _algorithm.has_compiled_kernel("clipshard::contrastive_lse_forward", device.type):
+    if not has_compiled_kernel("clipshard::contrastive_lse_forward", device.type):
         return ()
     return ("fused", "chunked")
 
@@ -128,7 +128,7 @@ def check_contrastive_lse(device):
 def check_chunked_addmm_branches(device):
     """The chunked backward of 16-bit features accumulates d rows either through addmm with an fp32
     accumulator (where torch accepts one) or through an fp32 M x D buffer; both branches run."""
-    if not _algorithm.has_compiled_kernel("clipshard::contrastive_lse_forward", device.type):
+    if not has_compiled_kernel("clipshard::contrastive_lse_forward", device.type):
         return
     dtype = torch.bfloat16
     rows, cols, scale, bias, upstream = _problem(dtype, device, seed=20)
@@ -165,7 +165,7 @@ def check_siglip(device):
             ref_grads = torch.autograd.grad(ref_loss / M, leaves)
             results = {}
             for algorithm in ("torch", "chunked"):
-                if algorithm == "chunked" and not _algorithm.has_compiled_kernel("clipshard::siglip_forward",
+                if algorithm == "chunked" and not has_compiled_kernel("clipshard::siglip_forward",
                                                                                  device.type):
                     continue
                 inputs = [t.detach().clone().requires_grad_() for t in (rows, cols, scale, bias)]
@@ -196,7 +196,7 @@ def check_distill(device):
         weights = None
         results = {}
         for algorithm in ("reference", "torch", "compiled"):
-            if algorithm == "compiled" and not _algorithm.has_compiled_kernel("clipshard::distill_lse", device.type):
+            if algorithm == "compiled" and not has_compiled_kernel("clipshard::distill_lse", device.type):
                 continue
             cast = (lambda t: t.detach().double().cpu()) if algorithm == "reference" else (lambda t: t.detach())
             leaves = [cast(t).requires_grad_() for t in inputs]
