@@ -74,14 +74,14 @@ def make_problem(M, K, D, dtype, device):
 
 def op_forward(p, algorithm):
     return ops.contrastive_lse_forward(p["rows"], p["cols"], p["scale"], None, p["pos"], True,
-                                       algorithm, p["workspace"], True)
+                                       algorithm, p["workspace"])
 
 
 def op_forward_backward(p, algorithm):
     row_lse, _, col_lse = op_forward(p, algorithm)
     return ops.contrastive_lse_backward(p["g_row"], p["g_pos"], p["g_col"], p["rows"], p["cols"],
                                         p["scale"], None, p["pos"], row_lse, col_lse, algorithm,
-                                        p["workspace"], True)
+                                        p["workspace"])
 
 
 FORWARD_ROWS_ENV = "CLIPSHARD_CHUNKED_FORWARD_ROWS"  # read by the chunked CUDA forward at every call
@@ -139,7 +139,7 @@ def ring_forward_backward(p, algorithm):
     for block in blocks:  # forward: row LSE folded online, column accumulator passed on
         in_flight = block.clone()  # the next block, received while this one is computed
         row, _, col = ops.contrastive_lse_forward(rows, block, p["scale"], None, 0, True, algorithm,
-                                                  p["workspace"], True)
+                                                  p["workspace"])
         row_lse = row if row_lse is None else torch.logaddexp(row_lse, row)
         # the travelling accumulator and its received copy; the K floats kept stand in for the full
         # column LSEs that travel with the blocks in backward
@@ -150,7 +150,7 @@ def ring_forward_backward(p, algorithm):
         in_flight = block.clone()
         d_rows, d_cols, _, _ = ops.contrastive_lse_backward(
             p["g_row"], p["g_pos"], p["g_col"][:M], rows, block, p["scale"], None, 0, row_lse, column, algorithm,
-            p["workspace"], True)
+            p["workspace"])
         grad_rows += d_rows
         travelling = torch.zeros(block.shape, dtype=acc, device=rows.device).add_(d_cols)  # received + own
         del in_flight, travelling

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-from clipshard.parallel import collectives
+from clipshard.parallel import agreement
 
 FN = "GradCache"
 FEATURES = ("image_features", "text_features")
@@ -187,6 +187,6 @@ def _process_group(model):
 def raise_on_every_rank(model, error):
     """Raises `error` (an exception made here, its message starting with FN, or None) here and an
     error naming this rank on every other rank of the model's group, so that one rank's bad input
-    never leaves the others waiting in a collective (collectives.raise_on_every_rank)."""
+    never leaves the others waiting in a collective (clipshard.parallel.agreement.raise_on_every_rank)."""
     problem = None if error is None else (type(error), str(error).removeprefix(f"{FN}: "))
-    collectives.raise_on_every_rank(FN, problem, _process_group(model))
+    agreement.raise_on_every_rank(FN, problem, _process_group(model))

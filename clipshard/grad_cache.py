@@ -31,7 +31,7 @@ import contextlib
 import torch
 
 from clipshard import _micro_batches as mb
-from clipshard._checks import check_bool
+from clipshard.ops.inputs import check_bool
 
 FN = mb.FN
 

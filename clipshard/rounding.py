@@ -13,28 +13,11 @@ is on, and passes the same identity gradient from dst to src.
 """
 import torch
 
-from clipshard import _random
-from clipshard._checks import check_bool, check_generator
-from clipshard.ops import first_use
+from clipshard.ops.inputs import check_bool, check_generator
+from clipshard.ops.seeds import as_int64, draw_seed_offset
+from clipshard.ops.stochastic_round import round_into, round_to
 
 _TARGETS = (torch.float16, torch.bfloat16)
-
-
-@torch.library.register_fake("clipshard::stochastic_round")
-def _stochastic_round_fake(src, dtype, seed, offset, saturate):
-    return src.new_empty(src.shape, dtype=dtype)
-
-
-def _stochastic_round_backward(ctx, grad):
-    return grad.float(), None, None, None, None  # straight-through: d result / d src = identity
-
-
-torch.library.register_autograd("clipshard::stochastic_round", _stochastic_round_backward)
-
-
-@torch.library.register_fake("clipshard::stochastic_round_into")
-def _stochastic_round_into_fake(dst, src, seed, offset, saturate):
-    return None
 
 
 def _check_source(fn: str, name: str, x) -> None:
@@ -54,7 +37,7 @@ def _as_uint64(fn: str, name: str, value) -> int:
         raise TypeError(f"{fn}: {name} must be a Python int in [0, 2**64), got {type(value).__name__}")
     if not 0 <= value < (1 << 64):
         raise ValueError(f"{fn}: {name} must be in [0, 2**64), got {value}")
-    return _random.as_int64(value)
+    return as_int64(value)
 
 
 def _seed_offset(fn: str, device: torch.device, seed, offset, generator) -> tuple[int, int]:
@@ -63,7 +46,7 @@ def _seed_offset(fn: str, device: torch.device, seed, offset, generator) -> tupl
         raise ValueError(f"{fn}: give both seed and offset or neither, got seed={seed!r}, offset={offset!r}")
     if seed is None:
         check_generator(fn, generator, device)
-        return _random.draw_seed_offset(device, generator)
+        return draw_seed_offset(device, generator)
     if generator is not None:
         raise ValueError(f"{fn}: give either seed and offset or a generator, not both")
     return _as_uint64(fn, "seed", seed), _as_uint64(fn, "offset", offset)
@@ -86,7 +69,7 @@ def stochastic_round(x: torch.Tensor, dtype: torch.dtype = torch.float16, *, see
     _check_target(fn, "dtype", dtype)
     check_bool(fn, "saturate", saturate)
     seed, offset = _seed_offset(fn, x.device, seed, offset, generator)
-    return first_use.kernel("stochastic_round", x.device, dtype)(x, dtype, seed, offset, saturate)
+    return round_to(x, dtype, seed, offset, saturate)
 
 
 def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, *, seed: int | None = None,
@@ -113,8 +96,7 @@ def stochastic_round_(dst: torch.Tensor, src: torch.Tensor, *, seed: int | None 
     if torch.is_grad_enabled() and (src.requires_grad or dst.requires_grad):
         # copy_ brings torch's in-place checks and records the write in dst's history; the values
         # are those of the fused kernel (both number elements in row-major order).
-        round_ = first_use.kernel("stochastic_round", src.device, dst.dtype)
-        return dst.copy_(round_(src, dst.dtype, seed, offset, saturate))
-    first_use.kernel("stochastic_round_into", src.device, dst.dtype)(dst, src, seed, offset, saturate)
+        return dst.copy_(round_to(src, dst.dtype, seed, offset, saturate))
+    round_into(dst, src, seed, offset, saturate)
     torch.autograd.graph.increment_version(dst)  # the kernel writes through a pointer autograd cannot see
     return dst

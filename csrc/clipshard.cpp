@@ -15,11 +15,6 @@ TORCH_LIBRARY(clipshard, m) {
   // are the Philox key and counter high word, passed as int64 bit patterns of uint64 values.
   m.def("stochastic_round(Tensor src, ScalarType dtype, int seed, int offset, bool saturate) -> Tensor");
   m.def("stochastic_round_into(Tensor(a!) dst, Tensor src, int seed, int offset, bool saturate) -> ()");
-  // Test helper: n random words of the stream above as int32 (CPU tensor), starting at block
-  // first_block: word i is word (i mod 4) of Philox4x32-10(key = seed, counter = (first_block +
-  // i div 4, offset)), from the CPU kernel's batch generator (source="kernel"), from philox_block
-  // of the shared header ("header", what the CUDA kernel uses) or from ATen's at::Philox4_32 ("aten").
-  m.def("philox_words(int seed, int offset, int n, int first_block=0, str source=\"kernel\") -> Tensor");
 
   // One AdamW step over lists of tensors sharing a device, a param dtype (fp32/fp16/bf16) and a state
   // dtype (docs/optimizer.md). Updates params, exp_avgs and exp_avg_sqs in place; steps[i] is the
@@ -39,11 +34,11 @@ TORCH_LIBRARY(clipshard, m) {
   // logsumexp_i S[i, j] over these rows when want_col_lse, else an empty tensor. Never stores S.
   // algorithm: "fused" (tile kernels: the CPU default) or "chunked" (GEMMs over column chunks with
   // fused elementwise kernels, an O(M x Kc) workspace of at most about workspace_bytes: the CUDA
-  // default; docs/fused_loss_cuda.md). `deterministic` is handed on to the backward; every current
-  // path is deterministic.
+  // default; docs/fused_loss_cuda.md). Every path is deterministic (no float atomics, fixed
+  // reduction order).
   m.def(
       "contrastive_lse_forward(Tensor rows, Tensor cols, Tensor scale, Tensor? bias, int pos_offset, "
-      "bool want_col_lse, str algorithm, int workspace_bytes, bool deterministic) -> (Tensor row_lse, "
+      "bool want_col_lse, str algorithm, int workspace_bytes) -> (Tensor row_lse, "
       "Tensor pos_logit, Tensor col_lse)");
   // Backward: dS[i, j] = grad_row_lse[i] * exp(S[i, j] - row_lse[i])
   //                    + grad_col_lse[j] * exp(S[i, j] - col_lse[j]) + grad_pos_logit[i] * [j == pos(i)],
@@ -51,7 +46,7 @@ TORCH_LIBRARY(clipshard, m) {
   m.def(
       "contrastive_lse_backward(Tensor grad_row_lse, Tensor grad_pos_logit, Tensor? grad_col_lse, "
       "Tensor rows, Tensor cols, Tensor scale, Tensor? bias, int pos_offset, Tensor row_lse, "
-      "Tensor? col_lse, str algorithm, int workspace_bytes, bool deterministic) -> (Tensor grad_rows, "
+      "Tensor? col_lse, str algorithm, int workspace_bytes) -> (Tensor grad_rows, "
       "Tensor grad_cols, Tensor grad_scale, Tensor grad_bias)");
 
   // SigLIP (docs/siglip.md): loss_sum = sum_{i < M, j < K} softplus(-z_ij * l_ij) with l_ij = scale *
@@ -89,4 +84,14 @@ TORCH_LIBRARY(clipshard, m) {
       "Tensor teacher_col_lse, Tensor col_cross, bool teacher_grad, int workspace_bytes) -> (Tensor grad_rows, "
       "Tensor grad_cols, Tensor grad_teacher_rows, Tensor grad_teacher_cols, Tensor grad_scale, "
       "Tensor grad_teacher_scale)");
+}
+
+// Ops that only the tests call, in their own namespace so that torch.ops.clipshard holds the
+// production ops alone.
+TORCH_LIBRARY(clipshard_testing, m) {
+  // n random words of stochastic_round's stream as int32 (CPU tensor), starting at block
+  // first_block: word i is word (i mod 4) of Philox4x32-10(key = seed, counter = (first_block +
+  // i div 4, offset)), from the CPU kernel's batch generator (source="kernel"), from philox_block
+  // of the shared header ("header", what the CUDA kernel uses) or from ATen's at::Philox4_32 ("aten").
+  m.def("philox_words(int seed, int offset, int n, int first_block=0, str source=\"kernel\") -> Tensor");
 }

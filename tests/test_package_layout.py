@@ -1,9 +1,11 @@
-"""The package's layers (clipshard/ops, clipshard/parallel, the public losses, clipshard/optim,
-clipshard/integrations): every public name imports from where the README says, no module imports a
-layer above its own, no import cycle, the core never imports the integrations, and no module of the
-old flat layout is left behind."""
+"""The package's layers: ops (every torch.library registration) <- parallel (speaks no loss's
+words) <- losses; rounding and optim beside ops; grad_cache, integrations and diagnostics as wings
+the core never imports (DESIGN.md section 19). Every public name is in the root's __all__ and
+imports from there; no module imports a layer above its own or a private name from another layer;
+no module below the losses mentions a loss argument in its messages; no import cycle."""
 import ast
 import importlib
+import inspect
 import pathlib
 import subprocess
 import sys
@@ -14,14 +16,37 @@ import clipshard
 
 ROOT = pathlib.Path(clipshard.__file__).parent
 
-PUBLIC = [("clipshard", n) for n in ("ClipLoss", "clip_loss", "SigLipLoss", "siglip_loss", "contrastive_lse",
-                                      "siglip_sum", "stochastic_round", "stochastic_round_", "apply_to_open_clip",
-                                      "apply_to_transformers")] + \
-         [("clipshard.optim", n) for n in ("AdamW", "to_half_precision_")]
+# The root's public names (README.md), exactly its __all__.
+PUBLIC = ["ClipLoss", "DistillClipLoss", "GradCache", "SigLipLoss", "apply_to_open_clip", "apply_to_transformers",
+          "clip_loss", "contrastive_lse", "optim", "self_check", "siglip_loss", "siglip_sum", "stochastic_round",
+          "stochastic_round_", "text_tower_to_half_precision_"]
 
-# The modules of the flat layout that moved into ops/, parallel/ and optim/ (no re-export shims).
-MOVED = ("fused_op", "siglip_op", "portable_lse", "portable_siglip", "_portable_chunks", "_algorithm", "_workspace",
-         "_block_checks", "distributed", "sharded_loss", "ring", "siglip_ring", "_ring_pass", "optim_dtensor")
+# The modules the package root may hold beside its subpackages (no fp64 references: they live
+# beside the tests, in tests/references).
+ROOT_MODULES = {"__init__", "__main__", "open_clip_train", "grad_cache", "_micro_batches", "rounding"}
+
+# Which layer each module belongs to (by its dotted prefix), and the layers each may import.
+LAYER_OF = {"clipshard.ops": "ops", "clipshard._C": "ops", "clipshard.rounding": "rounding",
+            "clipshard.optim": "optim", "clipshard.parallel": "parallel", "clipshard.losses": "losses",
+            "clipshard.grad_cache": "grad_cache", "clipshard._micro_batches": "grad_cache",
+            "clipshard.integrations": "integrations", "clipshard.open_clip_train": "integrations",
+            "clipshard.diagnostics": "diagnostics", "clipshard.__main__": "diagnostics"}
+ALLOWED = {
+    "ops": {"ops"},
+    "rounding": {"ops", "rounding"},
+    "optim": {"ops", "rounding", "optim"},
+    "parallel": {"ops", "parallel"},
+    "losses": {"ops", "parallel", "losses"},
+}
+CORE = set(ALLOWED)
+# The argument names of the losses' signatures, which only the losses' own messages may use.
+LOSS_ARGUMENTS = ("image_features", "text_features", "logit_scale", "logit_bias", "local_loss", "gather_with_grad",
+                  "dist_image_features", "dist_text_features", "dist_logit_scale", "average_after_softmax",
+                  "world_size", "output_dict", "cache_labels", "use_horovod", "dist_impl")
+
+
+def _layer(module):
+    return next(layer for prefix, layer in LAYER_OF.items() if module == prefix or module.startswith(prefix + "."))
 
 
 def _modules():
@@ -47,48 +72,89 @@ def _imports(path):
 
 def _graph():
     modules = _modules()
-    return {name: {m for m in _imports(path) if m in modules and m != "clipshard"}
+    # (a module's own parent packages are imported before it anyway: no edge)
+    return {name: {m for m in _imports(path) if m in modules and m != "clipshard" and not name.startswith(m + ".")}
             for name, path in modules.items() if name != "clipshard"}
 
 
 def _core():
-    """Everything but the integrations and the `python -m clipshard.open_clip_train` entry."""
-    return sorted(n for n in _graph() if not n.startswith("clipshard.integrations") and n != "clipshard.open_clip_train")
+    """The layers below the wings: ops, rounding, optim, parallel, losses."""
+    return sorted(n for n in _graph() if _layer(n) in CORE)
 
 
-@pytest.mark.parametrize("module,name", PUBLIC)
-def test_every_public_name_imports(module, name):
-    assert callable(getattr(importlib.import_module(module), name))
+def test_the_root_exports_exactly_its_public_names():
+    assert clipshard.__all__ == PUBLIC
+    for name in PUBLIC:  # every name imports from the root (the wings' on first use)
+        assert callable(getattr(clipshard, name)) or name == "optim", name
+    exposed = {n for n, v in vars(clipshard).items() if not n.startswith("_") and not inspect.ismodule(v)}
+    assert exposed <= set(PUBLIC), exposed - set(PUBLIC)
+    assert callable(clipshard.optim.AdamW) and callable(clipshard.optim.to_half_precision_)
+
+
+def test_importing_the_root_imports_no_wing():
+    """The integrations and the self-check are reached through their subpackages, on first use."""
+    script = ("import sys, clipshard; print(sorted(m for m in sys.modules if m.startswith(('clipshard.integrations', "
+              "'clipshard.diagnostics'))))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["[]"]
+
+
+def test_the_version_has_one_source():
+    pyproject = (ROOT.parent / "pyproject.toml").read_text()
+    assert 'dynamic = ["version"]' in pyproject and 'version = { attr = "clipshard.__version__" }' in pyproject
+    assert "\nversion =" not in pyproject.split("[project]")[1].split("[")[0]
+    assert clipshard.__version__.count(".") == 2
 
 
 def test_the_open_clip_train_entry_module_imports():
     assert callable(importlib.import_module("clipshard.open_clip_train").main)
 
 
-@pytest.mark.parametrize("old", MOVED)
-def test_no_module_of_the_flat_layout_is_left(old):
-    assert not (ROOT / f"{old}.py").exists()
-    with pytest.raises(ModuleNotFoundError):
-        importlib.import_module(f"clipshard.{old}")
+def test_the_root_holds_only_its_modules_and_the_layers():
+    """Everything else lives in a layer's subpackage (no module of an older layout is left behind)."""
+    assert {p.stem for p in ROOT.glob("*.py")} <= ROOT_MODULES
+    assert {p.name for p in ROOT.iterdir() if p.is_dir() and p.name != "__pycache__"} == {
+        "ops", "parallel", "losses", "optim", "integrations", "diagnostics"}
+    modules = _modules()
+    assert all(_layer(name) for name in modules if name != "clipshard")
 
 
-# A module of the first layer may import nothing from the layers listed beside it.
-FORBIDDEN = {
-    "clipshard.ops": ("clipshard.parallel", "clipshard.loss", "clipshard.siglip", "clipshard.optim",
-                      "clipshard.integrations"),
-    "clipshard.parallel": ("clipshard.loss", "clipshard.siglip", "clipshard.optim", "clipshard.integrations"),
-    # optim/ sits beside ops/ (DESIGN 19): it may use ops' single-device pieces (ops/first_use.py)
-    "clipshard.optim": ("clipshard.parallel", "clipshard.loss", "clipshard.siglip", "clipshard.integrations"),
-}
-
-
-@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+@pytest.mark.parametrize("layer", sorted(ALLOWED))
 def test_no_layer_imports_a_layer_above_it(layer):
     graph = _graph()
-    members = [n for n in graph if n == layer or n.startswith(layer + ".")]
-    assert len(members) >= 3, members
-    wrong = {n: sorted(m for m in graph[n] if m.startswith(FORBIDDEN[layer])) for n in members}
+    members = [n for n in graph if _layer(n) == layer]
+    assert members, layer
+    wrong = {n: sorted(m for m in graph[n] if _layer(m) not in ALLOWED[layer]) for n in members}
     assert not any(wrong.values()), wrong
+
+
+def test_no_module_imports_a_private_name_of_another_layer():
+    """A layer reaches another through its public names (`_C`, the extension, aside)."""
+    wrong = []
+    for name, path in _modules().items():
+        for module in _imports(path):
+            private = [c for c in module.split(".")[1:] if c.startswith("_") and c not in ("_C", "__init__")]
+            if private and name != "clipshard" and _layer(module) != _layer(name):
+                wrong.append(f"{name} imports {module}")
+    assert not wrong, wrong
+
+
+def test_no_module_below_the_losses_mentions_a_loss_argument_in_its_messages():
+    """ops/ and parallel/ speak their own words in every string that is not a docstring (messages,
+    and tables of them); the losses pass theirs in."""
+    wrong = []
+    for name, path in _modules().items():
+        if name == "clipshard" or _layer(name) not in ("ops", "parallel"):
+            continue
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and node.body
+                      and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                wrong += [f"{name}:{node.lineno}: {arg}" for arg in LOSS_ARGUMENTS if arg in node.value]
+    assert not wrong, wrong
 
 
 def test_no_import_cycle_between_clipshard_modules():
@@ -108,20 +174,22 @@ def test_no_import_cycle_between_clipshard_modules():
     for name in sorted(graph):
         visit(name, [])
     for name in _core():
-        assert not any(m.startswith("clipshard.integrations") for m in graph[name]), name
+        assert all(_layer(m) in CORE for m in graph[name]), name
 
 
-def test_the_core_never_imports_the_integrations():
-    """Each core module imports in a fresh interpreter where clipshard's own __init__ (which imports the
-    integrations for the public names) is bypassed and clipshard.integrations cannot be imported."""
+def test_the_core_never_imports_the_wings():
+    """Each core module imports in a fresh interpreter where clipshard's own __init__ (which imports
+    grad_cache for the public names) is bypassed and no wing (grad_cache, integrations,
+    diagnostics) can be imported."""
     core = _core()
-    assert "clipshard.parallel.ring" in core and "clipshard.optim.adamw" in core
+    assert "clipshard.parallel.ring" in core and "clipshard.optim.adamw" in core and "clipshard.losses.base" in core
+    wings = ("clipshard.integrations", "clipshard.diagnostics", "clipshard.grad_cache", "clipshard._micro_batches")
     script = f"""
 import importlib, importlib.abc, sys, types
 import torch
 class Forbid(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.startswith("clipshard.integrations"):
+        if name.startswith({wings!r}):
             raise ImportError("the core imported " + name)
 sys.meta_path.insert(0, Forbid())
 package = types.ModuleType("clipshard")
@@ -130,7 +198,7 @@ sys.modules["clipshard"] = package
 importlib.import_module("clipshard._C")
 for name in {core!r}:
     importlib.import_module(name)
-print(sorted(n for n in sys.modules if n.startswith("clipshard.integrations")))
+print(sorted(n for n in sys.modules if n.startswith({wings!r})))
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr

@@ -100,7 +100,7 @@ BREAK_KERNELS = textwrap.dedent("""
     def round_to_nearest(src, dtype, seed, offset, saturate):  # not stochastic: the bits differ
         return src.to(dtype)
 
-    def shifted_forward(rows, cols, scale, bias, pos_offset, want_col_lse, algorithm, workspace_bytes, deterministic):
+    def shifted_forward(rows, cols, scale, bias, pos_offset, want_col_lse, algorithm, workspace_bytes):
         row_lse, pos_logit, col_lse = contrastive_lse_torch(rows, cols, scale, bias, pos_offset, want_col_lse,
                                                             workspace_bytes)
         return row_lse + 1e-3, pos_logit, col_lse  # a small error in one output

@@ -20,7 +20,7 @@ import zlib
 
 import torch
 
-from clipshard._random import as_int64
+from clipshard.ops.seeds import as_int64
 from clipshard.diagnostics.measurement import Measurement
 from clipshard.ops import _algorithm
 

@@ -13,7 +13,7 @@ import torch
 
 import clipshard
 from clipshard import _C
-from clipshard.ops import _algorithm
+from clipshard.ops import explain_auto, has_compiled_kernel
 
 # The environment variables that change what clipshard does, and what each one does.
 VARIABLES = {
@@ -40,7 +40,7 @@ def variable_problem(message):
 
 
 def has_cuda_kernels():
-    return _algorithm.has_compiled_kernel("clipshard::contrastive_lse_forward", "cuda")
+    return has_compiled_kernel("clipshard::contrastive_lse_forward", "cuda")
 
 
 def find_cuobjdump():
@@ -103,7 +103,7 @@ def auto_choices(device_types):
     for device_type in device_types:
         for op in ("contrastive_lse", "siglip_sum"):
             for dtype in (torch.float32, torch.float64):
-                algorithm, reason, _ = _algorithm.explain_auto(op, device_type, dtype)
+                algorithm, reason, _ = explain_auto(op, device_type, dtype)
                 if dtype == torch.float64 and choices and choices[-1]["algorithm"] == algorithm:
                     continue
                 choices.append({"device_type": device_type, "op": op, "dtype": str(dtype).removeprefix("torch."),

@@ -2,7 +2,7 @@
 caption term. Needs open_clip (the caption term is an instance of open_clip's CoCaLoss)."""
 import torch
 
-from clipshard.loss import ClipLoss
+from clipshard.losses.clip import ClipLoss
 from clipshard.integrations.open_clip_common import original_class
 
 

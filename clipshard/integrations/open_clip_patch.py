@@ -12,10 +12,10 @@ import logging
 import torch
 
 from clipshard.integrations.coca_loss import CoCaLoss
-from clipshard.distill import DistillClipLoss
+from clipshard.losses.distill import DistillClipLoss
 from clipshard.integrations.open_clip_common import ORIGINALS, import_open_clip, warn_if_newer_than_tested
-from clipshard.loss import ClipLoss
-from clipshard.siglip import SigLipLoss
+from clipshard.losses.clip import ClipLoss
+from clipshard.losses.siglip import SigLipLoss
 
 _LOG = logging.getLogger("clipshard")
 _FN = "clipshard.apply_to_open_clip"

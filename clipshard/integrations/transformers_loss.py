@@ -22,8 +22,8 @@ import torch.distributed as dist
 from clipshard.grad_cache import GradCache
 from clipshard.integrations.transformers_models import (CLIP, COVERED, IMAGE_ARGS, SIGLIP, covered_entry, embeddings,
                                                         logit_scale_and_bias, unwrap)
-from clipshard.loss import clip_loss
-from clipshard.siglip import siglip_loss
+from clipshard.losses.clip import clip_loss
+from clipshard.losses.siglip import siglip_loss
 
 
 def _entry(fn, model):

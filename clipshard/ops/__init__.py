@@ -6,8 +6,15 @@ plus its portable PyTorch twin (algorithm="torch"), with fake kernels and autogr
 - distill_lse.py: the student's and the teachers' row and column statistics of one block
   (DistillClipLoss's op; compiled kernels where the build has them);
 - portable_lse.py, portable_siglip.py, portable_distill.py, _portable_chunks.py: their torch paths;
-- _algorithm.py ("auto" -> compiled or torch), _workspace.py (chunk widths), _block_checks.py.
+- stochastic_round.py, adamw_step.py: the registrations of the rounding and AdamW ops (their
+  public functions are clipshard.rounding's and clipshard.optim's);
+- inputs.py: the input rules of every layer; seeds.py: the (seed, offset) pairs of the random
+  streams; _algorithm.py ("auto" -> compiled or torch; its public functions are this package's),
+  _workspace.py (chunk widths).
 
-Imports: torch, clipshard._C and clipshard's top-level helpers (_checks) only; never clipshard.parallel,
-the losses or integrations (tests/test_package_layout.py checks this).
+This is the one layer that registers torch.library ops. Imports: torch and clipshard._C only;
+never clipshard.parallel, the losses, optim or the wings (tests/test_package_layout.py checks this).
 """
+from clipshard.ops._algorithm import check_algorithm, explain_auto, has_compiled_kernel
+
+__all__ = ["check_algorithm", "explain_auto", "has_compiled_kernel"]

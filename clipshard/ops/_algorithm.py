@@ -37,16 +37,9 @@ _warned_device_types = set()  # device types, and (device type, dtype) pairs, al
 
 
 def has_compiled_kernel(operator, device_type):
-    """Whether the extension registered a kernel of `operator` for tensors of `device_type` (False
-    when an older build has no schema for it)."""
+    """Whether the extension registered a kernel of `operator` for tensors of `device_type`."""
     key = _DISPATCH_KEYS.get(device_type)
-    return key is not None and has_schema(operator) and torch._C._dispatch_has_kernel_for_dispatch_key(operator, key)
-
-
-def has_schema(operator):
-    """Whether the loaded extension defines `operator` ("namespace::name") at all."""
-    namespace, name = operator.split("::")
-    return hasattr(getattr(torch.ops, namespace), name)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(operator, key)
 
 
 def _forced():
@@ -94,9 +87,7 @@ def explain_auto(op, device_type, dtype=None):
         return "torch", f"{ENV_VAR}=torch is set", None
     operator, compiled = _COMPILED[op]
     if device_type not in compiled or not has_compiled_kernel(operator, device_type):
-        # (an extension built before the op existed has nothing better to offer: no warning then)
-        return ("torch", f"no compiled clipshard kernel is registered for {device_type!r} tensors",
-                device_type if has_schema(operator) else None)
+        return "torch", f"no compiled clipshard kernel is registered for {device_type!r} tensors", device_type
     supported = _COMPILED_DTYPES.get(device_type)
     if dtype is not None and supported is not None and dtype not in supported:
         names = ", ".join(str(d).removeprefix("torch.") for d in supported)

@@ -10,7 +10,7 @@ and its rows of grad_cols with two GEMMs.
 """
 import torch
 
-from clipshard.ops._block_checks import accumulate_dtype
+from clipshard.ops.inputs import accumulate_dtype
 from clipshard.ops._workspace import COLUMN_QUANTUM, chunk_columns
 
 # (device type, dtype) -> whether torch.mm takes out_dtype=fp32 for 16-bit factors there.

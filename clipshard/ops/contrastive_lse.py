@@ -14,15 +14,14 @@ import torch
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
 from clipshard.ops import first_use
-from clipshard.ops._block_checks import accumulate_dtype, check_block_features, check_logit_scalar
-from clipshard._checks import check_flags
+from clipshard.ops.inputs import accumulate_dtype, check_block_features, check_flags, check_logit_scalar
 from clipshard.ops._workspace import workspace_bytes as _workspace_bytes
 from clipshard.ops.portable_lse import contrastive_lse_backward_torch, contrastive_lse_torch
 
 ALGORITHMS = ("auto", "fused", "chunked", "torch")
 
 @torch.library.register_fake("clipshard::contrastive_lse_forward")
-def _forward_fake(rows, cols, scale, bias, pos_offset, want_col_lse, algorithm, workspace_bytes, deterministic):
+def _forward_fake(rows, cols, scale, bias, pos_offset, want_col_lse, algorithm, workspace_bytes):
     torch._check(rows.dim() == 2 and cols.dim() == 2, lambda: "contrastive_lse_forward: rows and cols must be 2-D")
     torch._check(rows.shape[1] == cols.shape[1],
                  lambda: "contrastive_lse_forward: rows and cols must have the same feature size D")
@@ -34,20 +33,19 @@ def _forward_fake(rows, cols, scale, bias, pos_offset, want_col_lse, algorithm, 
 
 @torch.library.register_fake("clipshard::contrastive_lse_backward")
 def _backward_fake(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, pos_offset, row_lse,
-                   col_lse, algorithm, workspace_bytes, deterministic):
+                   col_lse, algorithm, workspace_bytes):
     grad_bias = bias.new_empty(()) if bias is not None else scale.new_empty(())
     return rows.new_empty(rows.shape), cols.new_empty(cols.shape), scale.new_empty(()), grad_bias
 
 
 def _setup_context(ctx, inputs, output):
-    rows, cols, scale, bias, pos_offset, want_col_lse, algorithm, workspace_bytes, deterministic = inputs
+    rows, cols, scale, bias, pos_offset, want_col_lse, algorithm, workspace_bytes = inputs
     row_lse, _, col_lse = output
     ctx.save_for_backward(rows, cols, scale, bias, row_lse, col_lse if want_col_lse else None)
     ctx.pos_offset = pos_offset
     ctx.want_col_lse = want_col_lse
     ctx.algorithm = algorithm
     ctx.workspace_bytes = workspace_bytes
-    ctx.deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
 
 
 def _backward(ctx, grad_row_lse, grad_pos_logit, grad_col_lse):
@@ -61,15 +59,15 @@ def _backward(ctx, grad_row_lse, grad_pos_logit, grad_col_lse):
         grad_col_lse = None
     grad_rows, grad_cols, grad_scale, grad_bias = torch.ops.clipshard.contrastive_lse_backward(
         grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, ctx.pos_offset, row_lse,
-        col_lse, ctx.algorithm, ctx.workspace_bytes, ctx.deterministic)
-    return grad_rows, grad_cols, grad_scale, grad_bias if bias is not None else None, None, None, None, None, None
+        col_lse, ctx.algorithm, ctx.workspace_bytes)
+    return grad_rows, grad_cols, grad_scale, grad_bias if bias is not None else None, None, None, None, None
 
 
 torch.library.register_autograd("clipshard::contrastive_lse_forward", _backward, setup_context=_setup_context)
 
 
 def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=True, *, algorithm="auto",
-                    workspace_bytes=None, deterministic=False):
+                    workspace_bytes=None):
     """Fused S = scale * rows @ cols^T (+ bias) reduced to log-sum-exps, never materialising S.
 
     Args:
@@ -90,15 +88,14 @@ def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=Tru
             operations, on any device; docs/portable.md).
         workspace_bytes: memory budget of the chunked algorithms' workspace (default 256 MiB on
             CUDA, 32 MiB elsewhere); its chunks are the widest multiple of 128 columns that fits.
-        deterministic: kept for a future non-deterministic backward; every current path is
-            deterministic (no float atomics, fixed reduction order).
 
     Returns:
         (row_lse [M], pos_logit [M], col_lse [K], or an empty tensor when not wanted), fp32 — fp64
         for fp64 inputs — whatever the input dtype. Gradients flow to rows, cols, scale and bias.
+        Every path is deterministic (no float atomics, fixed reduction order).
     """
     check_block_features("contrastive_lse", rows, cols, pos_offset)
-    check_flags("contrastive_lse", want_col_lse=want_col_lse, deterministic=deterministic)
+    check_flags("contrastive_lse", want_col_lse=want_col_lse)
     scale = check_logit_scalar("contrastive_lse", "scale", scale, rows)
     if bias is not None:
         bias = check_logit_scalar("contrastive_lse", "bias", bias, rows)
@@ -107,7 +104,7 @@ def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=Tru
     if algorithm == "torch":
         return contrastive_lse_torch(rows, cols, scale, bias, pos_offset, want_col_lse, budget)
     return torch.ops.clipshard.contrastive_lse_forward(rows, cols, scale, bias, pos_offset, want_col_lse,
-                                                       algorithm, budget, deterministic)
+                                                       algorithm, budget)
 
 
 def contrastive_lse_backward(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, pos_offset,
@@ -123,4 +120,4 @@ def contrastive_lse_backward(grad_row_lse, grad_pos_logit, grad_col_lse, rows, c
                                               pos_offset, row_lse, col_lse, budget)
     return torch.ops.clipshard.contrastive_lse_backward(
         grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, pos_offset, row_lse, col_lse,
-        algorithm, budget, torch.are_deterministic_algorithms_enabled())
+        algorithm, budget)

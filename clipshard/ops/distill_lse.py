@@ -14,9 +14,9 @@ has them) and "torch" (clipshard/ops/portable_distill.py, on every device). "aut
 import torch
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
-from clipshard._checks import check_flags
 from clipshard.ops import _algorithm, first_use
-from clipshard.ops._block_checks import SUPPORTED_DTYPES, accumulate_dtype, check_block_features, check_logit_scalar
+from clipshard.ops.inputs import SUPPORTED_DTYPES, accumulate_dtype, check_block_features, check_flags, \
+    check_logit_scalar
 from clipshard.ops._workspace import workspace_bytes as _workspace_bytes
 from clipshard.ops.portable_distill import distill_lse_backward_torch, distill_lse_torch
 
@@ -29,42 +29,45 @@ def _output_shapes(m, k, n_teachers, want_columns):
     return ((m,), (m,), (n_teachers, m), (n_teachers, m), (k_out,), (n_teachers, k_out), (n_teachers, k_out))
 
 
-if _algorithm.has_schema("clipshard::distill_lse"):
-    @torch.library.register_fake("clipshard::distill_lse")
-    def _forward_fake(rows, cols, teacher_rows, teacher_cols, scale, teacher_scale, pos_offset, want_columns,
-                      workspace_bytes):
-        acc = accumulate_dtype(rows.dtype)
-        shapes = _output_shapes(rows.shape[0], cols.shape[0], teacher_rows.shape[0], want_columns)
-        return tuple(rows.new_empty(shape, dtype=acc) for shape in shapes)
+@torch.library.register_fake("clipshard::distill_lse")
+def _forward_fake(rows, cols, teacher_rows, teacher_cols, scale, teacher_scale, pos_offset, want_columns,
+                  workspace_bytes):
+    acc = accumulate_dtype(rows.dtype)
+    shapes = _output_shapes(rows.shape[0], cols.shape[0], teacher_rows.shape[0], want_columns)
+    return tuple(rows.new_empty(shape, dtype=acc) for shape in shapes)
 
-    @torch.library.register_fake("clipshard::distill_lse_backward")
-    def _backward_fake(g_row, g_pos, g_trow, g_rcross, g_col, g_tcol, g_ccross, rows, cols, teacher_rows,
-                       teacher_cols, scale, teacher_scale, pos_offset, row_lse, teacher_row_lse, row_cross, col_lse,
-                       teacher_col_lse, col_cross, teacher_grad, workspace_bytes):
-        teacher = (teacher_rows.new_empty(teacher_rows.shape), teacher_cols.new_empty(teacher_cols.shape),
-                   teacher_scale.new_empty(teacher_scale.shape)) if teacher_grad else (
-                   teacher_rows.new_empty(0), teacher_cols.new_empty(0), teacher_scale.new_empty(0))
-        return (rows.new_empty(rows.shape), cols.new_empty(cols.shape), teacher[0], teacher[1],
-                scale.new_empty(()), teacher[2])
 
-    def _setup_context(ctx, inputs, output):
-        rows, cols, teacher_rows, teacher_cols, scale, teacher_scale, pos_offset, want_columns, workspace = inputs
-        row_lse, _, teacher_row_lse, row_cross, col_lse, teacher_col_lse, col_cross = output
-        ctx.save_for_backward(rows, cols, teacher_rows, teacher_cols, scale, teacher_scale, row_lse, teacher_row_lse,
-                              row_cross, col_lse, teacher_col_lse, col_cross)
-        ctx.pos_offset, ctx.want_columns, ctx.workspace = pos_offset, want_columns, workspace
+@torch.library.register_fake("clipshard::distill_lse_backward")
+def _backward_fake(g_row, g_pos, g_trow, g_rcross, g_col, g_tcol, g_ccross, rows, cols, teacher_rows,
+                   teacher_cols, scale, teacher_scale, pos_offset, row_lse, teacher_row_lse, row_cross, col_lse,
+                   teacher_col_lse, col_cross, teacher_grad, workspace_bytes):
+    teacher = (teacher_rows.new_empty(teacher_rows.shape), teacher_cols.new_empty(teacher_cols.shape),
+               teacher_scale.new_empty(teacher_scale.shape)) if teacher_grad else (
+               teacher_rows.new_empty(0), teacher_cols.new_empty(0), teacher_scale.new_empty(0))
+    return (rows.new_empty(rows.shape), cols.new_empty(cols.shape), teacher[0], teacher[1],
+            scale.new_empty(()), teacher[2])
 
-    def _backward(ctx, *grads):
-        saved = ctx.saved_tensors
-        if not ctx.want_columns:
-            grads = grads[:4] + (None, None, None)
-        needs = ctx.needs_input_grad
-        teacher_grad = any(needs[2:4]) or needs[5]
-        result = torch.ops.clipshard.distill_lse_backward(*grads, *saved[:6], ctx.pos_offset, *saved[6:],
-                                                          teacher_grad, ctx.workspace)
-        return tuple(g if need else None for g, need in zip(result, needs[:6])) + (None, None, None)
 
-    torch.library.register_autograd("clipshard::distill_lse", _backward, setup_context=_setup_context)
+def _setup_context(ctx, inputs, output):
+    rows, cols, teacher_rows, teacher_cols, scale, teacher_scale, pos_offset, want_columns, workspace = inputs
+    row_lse, _, teacher_row_lse, row_cross, col_lse, teacher_col_lse, col_cross = output
+    ctx.save_for_backward(rows, cols, teacher_rows, teacher_cols, scale, teacher_scale, row_lse, teacher_row_lse,
+                          row_cross, col_lse, teacher_col_lse, col_cross)
+    ctx.pos_offset, ctx.want_columns, ctx.workspace = pos_offset, want_columns, workspace
+
+
+def _backward(ctx, *grads):
+    saved = ctx.saved_tensors
+    if not ctx.want_columns:
+        grads = grads[:4] + (None, None, None)
+    needs = ctx.needs_input_grad
+    teacher_grad = any(needs[2:4]) or needs[5]
+    result = torch.ops.clipshard.distill_lse_backward(*grads, *saved[:6], ctx.pos_offset, *saved[6:],
+                                                      teacher_grad, ctx.workspace)
+    return tuple(g if need else None for g, need in zip(result, needs[:6])) + (None, None, None)
+
+
+torch.library.register_autograd("clipshard::distill_lse", _backward, setup_context=_setup_context)
 
 
 def _check_teachers(fn, rows, cols, teacher_rows, teacher_cols):

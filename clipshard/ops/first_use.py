@@ -32,8 +32,9 @@ from typing import Callable
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from clipshard import _C, _env  # noqa: F401  (_C registers torch.ops.clipshard.*)
-from clipshard._random import as_int64
+from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
+from clipshard.ops import env_vars
+from clipshard.ops.seeds import as_int64
 from clipshard.ops import _algorithm
 from clipshard.ops.portable_distill import distill_lse_backward_torch, distill_lse_torch
 from clipshard.ops.portable_lse import contrastive_lse_backward_torch, contrastive_lse_torch
@@ -254,7 +255,7 @@ def kernel(name, device, *dtypes):
 def _agrees(probe, algorithm, device, dtypes):
     """The verdict on the compiled kernel for (probe, algorithm, device, dtypes); the first call for a
     device type that is checked runs the check. A dictionary lookup afterwards."""
-    if not _env.flag(ENV_VAR, True):
+    if not env_vars.flag(ENV_VAR, True):
         return True
     key = (probe, algorithm, torch.device(device), tuple(dtypes))
     verdict = _verdicts.get(key)

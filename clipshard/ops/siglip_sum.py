@@ -18,7 +18,7 @@ import torch
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
 from clipshard.ops import _workspace, first_use
-from clipshard.ops._block_checks import accumulate_dtype, check_block_features, check_logit_scalar
+from clipshard.ops.inputs import accumulate_dtype, check_block_features, check_logit_scalar
 from clipshard.ops.portable_siglip import siglip_block_torch, siglip_sum_torch
 
 ALGORITHMS = ("auto", "chunked", "torch")

@@ -14,9 +14,9 @@ import numbers
 import torch
 from torch.optim import Optimizer
 
-from clipshard._checks import check_bool, check_generator
-from clipshard._random import draw_seed_offset
-from clipshard.ops import first_use
+from clipshard.ops.adamw_step import adamw_step_
+from clipshard.ops.inputs import check_bool, check_generator
+from clipshard.ops.seeds import draw_seed_offset
 from clipshard.optim.dtensor import check_dtensor_param, index_base, is_dtensor, local, state_in_param_layout, \
     zeros_state_like
 from clipshard.rounding import stochastic_round
@@ -24,12 +24,6 @@ from clipshard.rounding import stochastic_round
 _HALF_DTYPES = (torch.float16, torch.bfloat16)
 _PARAM_DTYPES = (torch.float32,) + _HALF_DTYPES
 _NAME = "clipshard.optim.AdamW"
-
-
-@torch.library.register_fake("clipshard::adamw_step_")
-def _adamw_step_fake(params, grads, exp_avgs, exp_avg_sqs, steps, lr, beta1, beta2, eps, weight_decay,
-                     maximize, stochastic_rounding, seed, offset, tensor_numbers=None, index_bases=None):
-    return None
 
 
 def second_moment_key(state_dtype: torch.dtype) -> str:
@@ -193,7 +187,7 @@ class AdamW(Optimizer):
                 if random:
                     check_generator(_NAME, self.generator, device)
                 seed, offset = draw_seed_offset(device, self.generator) if random else (0, 0)
-                first_use.kernel("adamw_step_", device, param_dtype, state_dtype)(
+                adamw_step_(
                     ps, gs, ms, vs, steps, float(group["lr"]), float(beta1), float(beta2),
                     float(group["eps"]), float(group["weight_decay"]), group["maximize"],
                     group["stochastic_rounding"], seed, offset, numbers, bases)

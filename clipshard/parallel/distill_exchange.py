@@ -34,7 +34,7 @@ def _gather_teacher(teacher, layout, with_grad=True):
 
 def exchange_partials(image, text, scale, teacher, layout, algorithm="auto"):
     """teacher: (teacher_image, teacher_text, teacher_scale, row weights or None), the stack of
-    clipshard/distill.py."""
+    clipshard/losses/distill.py."""
     teacher_image, teacher_text, teacher_scale, weights = teacher
     cols = cdist.gather_rows(text, layout)
     teacher_cols = _gather_teacher(teacher_text, layout)
@@ -123,7 +123,7 @@ class _GlobalLosses(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if ctx.graph is None:  # (every rank gets here alike, before any collective)
-            raise RuntimeError("DistillClipLoss with local_loss=False: backward ran twice through the same loss, and "
+            raise RuntimeError("the full-batch distillation loss: backward ran twice through the same loss, and "
                                "the first one freed its graph (retain_graph is not supported here); compute the loss "
                                "again for a second backward")
         partials, leaves = ctx.graph

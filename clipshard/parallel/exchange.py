@@ -122,7 +122,7 @@ class _OpenClipWeights(torch.autograd.Function):
             else:
                 acc = torch.promote_types(g.dtype, torch.float32)
                 out.append((g.to(acc) * upstream.feature_weight.to(acc)).to(g.dtype))
-        if ctx.needs_input_grad[4] or ctx.needs_input_grad[5]:  # the same on every rank (shard_layout)
+        if ctx.needs_input_grad[4] or ctx.needs_input_grad[5]:  # the same on every rank (the losses' shard_layout)
             zero = upstream.own.new_zeros(())
             units = torch.stack([zero if g is None else g.double().reshape(()) for g in (g_scale, g_bias)])
             sums = cdist.all_reduce_sum(units, ctx.layout)

@@ -21,11 +21,11 @@ g is the same (DDP's loss.backward(), one AMP or accumulation factor; a NaN on a
 difference, so that it reaches every gradient it touches) and then only scales those gradients by
 g. Otherwise it makes a second pass with w_r = g_r / M_r. Without gradients the forward is
 loss-only (one GEMM per chunk). The result is the gathered implementation's
-(clipshard/siglip.py), which is open_clip's.
+(clipshard/losses/siglip.py), which is open_clip's.
 """
 import torch
 
-from clipshard.ops._block_checks import accumulate_dtype
+from clipshard.ops.inputs import accumulate_dtype
 from clipshard.parallel.collectives import same_on_every_rank
 from clipshard.parallel._ring_pass import Ring, Travelling, blocks
 from clipshard.ops.siglip_sum import siglip_block

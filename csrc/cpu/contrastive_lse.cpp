@@ -133,8 +133,7 @@ void forward_impl(const at::Tensor& A, const at::Tensor& B, acc_t scale, int64_t
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> contrastive_lse_forward_cpu(
     const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
-    int64_t pos_offset, bool want_col_lse, c10::string_view algorithm, int64_t workspace_bytes,
-    bool /*deterministic: every CPU path is*/) {
+    int64_t pos_offset, bool want_col_lse, c10::string_view algorithm, int64_t workspace_bytes) {
   const char* op = "contrastive_lse_forward";
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal tensor maths is not differentiated
   check_block_inputs(op, rows, cols, scale, bias, pos_offset);
@@ -288,7 +287,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> contrastive_lse_backw
     const at::Tensor& grad_row_lse, const at::Tensor& grad_pos_logit, const std::optional<at::Tensor>& grad_col_lse,
     const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
     int64_t pos_offset, const at::Tensor& row_lse, const std::optional<at::Tensor>& col_lse,
-    c10::string_view algorithm, int64_t workspace_bytes, bool /*deterministic: every CPU path is*/) {
+    c10::string_view algorithm, int64_t workspace_bytes) {
   const char* op = "contrastive_lse_backward";
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   check_block_inputs(op, rows, cols, scale, bias, pos_offset);

@@ -133,9 +133,9 @@ void stochastic_round_into_cpu(at::Tensor& dst, const at::Tensor& src, int64_t s
 }
 
 at::Tensor philox_words_op(int64_t seed, int64_t offset, int64_t n, int64_t first_block, c10::string_view source) {
-  TORCH_CHECK(n >= 0, "clipshard::philox_words: n must be >= 0, got ", n);
+  TORCH_CHECK(n >= 0, "clipshard_testing::philox_words: n must be >= 0, got ", n);
   TORCH_CHECK(source == "kernel" || source == "header" || source == "aten",
-              "clipshard::philox_words: source must be 'kernel', 'header' or 'aten', got '", source, "'");
+              "clipshard_testing::philox_words: source must be 'kernel', 'header' or 'aten', got '", source, "'");
   at::Tensor out = at::empty({n}, at::TensorOptions().dtype(at::kInt));
   auto* words = static_cast<uint32_t*>(out.mutable_data_ptr());
   const auto key = static_cast<uint64_t>(seed), high = static_cast<uint64_t>(offset);
@@ -171,6 +171,6 @@ TORCH_LIBRARY_IMPL(clipshard, CPU, m) {
 }
 
 // No tensor arguments, so no backend to dispatch on: one kernel for every key.
-TORCH_LIBRARY_IMPL(clipshard, CompositeExplicitAutograd, m) {
+TORCH_LIBRARY_IMPL(clipshard_testing, CompositeExplicitAutograd, m) {
   m.impl("philox_words", &clipshard::philox_words_op);
 }

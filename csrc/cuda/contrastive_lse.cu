@@ -6,7 +6,7 @@
 // algorithm="fused": the hand-written tile kernels of contrastive_lse_kernels.cuh, never leaving a
 // tile: the tensor-core (mma.sync) kernels for fp16/bf16 features with D % 8 == 0 on sm_80+ (see
 // use_tensor_cores), the fp32-FMA kernels otherwise; inputs are made contiguous first.
-// Every path is deterministic (no float atomics); `deterministic` is accepted for the schema.
+// Every path is deterministic (no float atomics).
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -153,8 +153,7 @@ std::tuple<Tensor, Tensor, Tensor> fused_forward(const Tensor& rows, const Tenso
 
 std::tuple<Tensor, Tensor, Tensor> contrastive_lse_forward_cuda(
     const Tensor& rows, const Tensor& cols, const Tensor& scale, const c10::optional<Tensor>& bias,
-    int64_t pos_offset, bool want_col_lse, c10::string_view algorithm, int64_t workspace_bytes,
-    bool /*deterministic: every path is*/) {
+    int64_t pos_offset, bool want_col_lse, c10::string_view algorithm, int64_t workspace_bytes) {
   constexpr const char* fn = "contrastive_lse_forward";
   check_features(fn, rows, cols, scale, bias, pos_offset);
   const bool chunked = parse_algorithm(fn, algorithm) == Algorithm::kChunked;
@@ -232,7 +231,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> contrastive_lse_backward_cuda(
     const c10::optional<Tensor>& grad_col_lse, const Tensor& rows, const Tensor& cols,
     const Tensor& scale, const c10::optional<Tensor>& bias, int64_t pos_offset,
     const Tensor& row_lse, const c10::optional<Tensor>& col_lse, c10::string_view algorithm,
-    int64_t workspace_bytes, bool /*deterministic: every path is*/) {
+    int64_t workspace_bytes) {
   constexpr const char* fn = "contrastive_lse_backward";
   check_features(fn, rows, cols, scale, bias, pos_offset);
   const bool chunked = parse_algorithm(fn, algorithm) == Algorithm::kChunked;

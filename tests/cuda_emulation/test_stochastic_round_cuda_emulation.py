@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import clipshard  # noqa: F401  (registers torch.ops.clipshard.*)
-from clipshard._random import as_int64
+from clipshard.ops.seeds import as_int64
 from tests.cuda_emulation.emulation_utils import HARNESSES, build_real_and_broken
 
 HARNESS = HARNESSES / "emulate_stochastic_round.cpp"

@@ -185,8 +185,7 @@ def test_peak_memory_within_workspace_bound():
 
 def test_auto_picks_the_compiled_kernel_only_where_registered():
     """"auto" runs the compiled op where this build registered it for the CPU, else the torch path
-    (same results, no warning: an extension built before the op has nothing better to offer);
-    algorithm="compiled" without a kernel is an error that says so."""
+    (same results); algorithm="compiled" without a kernel is an error that says so."""
     from clipshard.ops import _algorithm
     compiled = _algorithm.has_compiled_kernel("clipshard::distill_lse", "cpu")
     assert _algorithm.resolve("distill_lse", "auto", torch.device("cpu"), ("auto", "compiled", "torch")) == (

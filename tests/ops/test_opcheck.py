@@ -1,4 +1,5 @@
-"""torch.library.opcheck for every op registered in torch.ops.clipshard: the schema (aliasing and
+"""torch.library.opcheck for every op registered in torch.ops.clipshard (and the test-only
+torch.ops.clipshard_testing): the schema (aliasing and
 mutation as declared), the autograd registration, the fake (meta) kernel against the real one, and
 AOT dispatch with dynamic shapes. The ops are listed from the dispatcher, so an op added without a
 case here fails test_every_registered_op_has_an_opcheck; each case runs on the CPU (fp32 and fp64,
@@ -10,14 +11,14 @@ import torch
 import clipshard  # noqa: F401  (the ops, their fake kernels and autograd formulas)
 import clipshard.optim  # noqa: F401  (adamw_step_'s fake kernel)
 
-NAMESPACE = "clipshard"
+NAMESPACES = ("clipshard", "clipshard_testing")
 WS = 1 << 12  # a workspace budget that splits the chunked algorithms into several chunks
 
 
 def _registered():
-    """The names of the ops torch.ops.clipshard has (the dispatcher's list, not a hand-kept one)."""
-    prefix = NAMESPACE + "::"
-    return {name[len(prefix):] for name in torch._C._dispatch_get_all_op_names() if name.startswith(prefix)}
+    """The qualified names ("clipshard::op") of the ops of NAMESPACES (the dispatcher's list, not a
+    hand-kept one)."""
+    return {name for name in torch._C._dispatch_get_all_op_names() if name.split("::")[0] in NAMESPACES}
 
 
 def _features(n, d, dtype, device, seed):
@@ -78,10 +79,9 @@ def _contrastive_inputs(device, dtype, seed):
 
 def _contrastive_lse_forward(device):
     rows, cols, s, b = _contrastive_inputs(device, torch.float32, 8)
-    cases = [(rows, cols, s, None, 3, True, "fused", WS, False), (rows, cols, s, None, 3, True, "chunked", WS, False),
-             (rows, cols, s, b, 0, False, "chunked", WS, True)]
-    cases += [(*_grad(rows, cols, s, b), 3, True, "chunked", WS, deterministic) for deterministic in (False, True)]
-    return cases + [(*_grad(*_contrastive_inputs(device, _wide(device), 10)), 3, True, algorithm, WS, False)
+    cases = [(rows, cols, s, None, 3, True, "fused", WS), (rows, cols, s, None, 3, True, "chunked", WS),
+             (rows, cols, s, b, 0, False, "chunked", WS), (*_grad(rows, cols, s, b), 3, True, "chunked", WS)]
+    return cases + [(*_grad(*_contrastive_inputs(device, _wide(device), 10)), 3, True, algorithm, WS)
                     for algorithm in ("fused", "chunked")]
 
 
@@ -89,11 +89,11 @@ def _contrastive_lse_backward(device):
     cases = []
     for dtype in (torch.float32, _wide(device)):
         rows, cols, s, b = _contrastive_inputs(device, dtype, 8)
-        row_lse, _, col_lse = torch.ops.clipshard.contrastive_lse_forward(rows, cols, s, b, 3, True, "fused", WS, False)
+        row_lse, _, col_lse = torch.ops.clipshard.contrastive_lse_forward(rows, cols, s, b, 3, True, "fused", WS)
         gen = torch.Generator().manual_seed(12)
         g = [torch.randn(n, generator=gen, dtype=torch.float64).to(device, row_lse.dtype) for n in (20, 20, 45)]
-        cases += [(*g, rows, cols, s, b, 3, row_lse, col_lse, "chunked", WS, True),
-                  (g[0], g[1], None, rows, cols, s, None, 3, row_lse, None, "fused", WS, False)]
+        cases += [(*g, rows, cols, s, b, 3, row_lse, col_lse, "chunked", WS),
+                  (g[0], g[1], None, rows, cols, s, None, 3, row_lse, None, "fused", WS)]
     return cases
 
 
@@ -137,25 +137,26 @@ def _distill_lse_backward(device):
     return cases
 
 
-# op name: a function (device) -> the argument tuples to check
+# qualified op name: a function (device) -> the argument tuples to check
 CASES = {
-    "stochastic_round": _stochastic_round,
-    "stochastic_round_into": _stochastic_round_into,
-    "philox_words": _philox_words,
-    "_addmm_accepts_fp32_accumulator": _addmm_probe,
-    "adamw_step_": _adamw_step,
-    "contrastive_lse_forward": _contrastive_lse_forward,
-    "contrastive_lse_backward": _contrastive_lse_backward,
-    "siglip_forward": _siglip_forward,
-    "distill_lse": _distill_lse,
-    "distill_lse_backward": _distill_lse_backward,
+    "clipshard::stochastic_round": _stochastic_round,
+    "clipshard::stochastic_round_into": _stochastic_round_into,
+    "clipshard_testing::philox_words": _philox_words,
+    "clipshard::_addmm_accepts_fp32_accumulator": _addmm_probe,
+    "clipshard::adamw_step_": _adamw_step,
+    "clipshard::contrastive_lse_forward": _contrastive_lse_forward,
+    "clipshard::contrastive_lse_backward": _contrastive_lse_backward,
+    "clipshard::siglip_forward": _siglip_forward,
+    "clipshard::distill_lse": _distill_lse,
+    "clipshard::distill_lse_backward": _distill_lse_backward,
 }
 # philox_words is a CPU test helper; every other op has a CUDA kernel or (the addmm probe) a CUDA answer.
-CUDA_CASES = sorted(set(CASES) - {"philox_words"})
+CUDA_CASES = sorted(set(CASES) - {"clipshard_testing::philox_words"})
 
 
 def _opcheck(name, device):
-    op = getattr(torch.ops.clipshard, name).default
+    namespace, op_name = name.split("::")
+    op = getattr(getattr(torch.ops, namespace), op_name).default
     for args in CASES[name](device):
         torch.library.opcheck(op, args)
 
@@ -180,5 +181,5 @@ def test_opcheck_cuda(name):
 @pytest.mark.cuda
 def test_every_cuda_kernel_has_a_cuda_opcheck():
     with_kernel = {name for name in _registered()
-                   if torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{name}", "CUDA")}
+                   if torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA")}
     assert with_kernel and with_kernel <= set(CUDA_CASES), sorted(with_kernel - set(CUDA_CASES))

@@ -17,8 +17,8 @@ U32 = 0xFFFFFFFF
 def words(seed, offset, n, first_block=0, source="kernel"):
     """Random words via the test op (uint64 seed/offset/first_block given as Python ints): from the
     CPU kernel's batch generator, the shared header's philox_block (used by CUDA) or ATen's engine."""
-    from clipshard._random import as_int64
-    raw = torch.ops.clipshard.philox_words(as_int64(seed), as_int64(offset), n, as_int64(first_block), source)
+    from clipshard.ops.seeds import as_int64
+    raw = torch.ops.clipshard_testing.philox_words(as_int64(seed), as_int64(offset), n, as_int64(first_block), source)
     return raw.numpy().view(np.uint32)
 
 
@@ -250,12 +250,12 @@ def test_kernel_equals_independent_reference(dtype, saturate):
 
 _ISA_RUN = """
 import sys, torch, clipshard
-from clipshard._random import as_int64
+from clipshard.ops.seeds import as_int64
 g = torch.Generator().manual_seed(5)
 x = torch.randn(3 * 4096 * 4 + 1027, generator=g) * 10.0 ** torch.randint(-6, 5, (3 * 4096 * 4 + 1027,), generator=g)
 out = [clipshard.stochastic_round(x, dtype, seed=11, offset=12, saturate=saturate)
        for dtype in (torch.float16, torch.bfloat16) for saturate in (False, True)]
-out.append(torch.ops.clipshard.philox_words(as_int64(2**64 - 5), 3, 4099, as_int64(2**32 - 37), "kernel"))
+out.append(torch.ops.clipshard_testing.philox_words(as_int64(2**64 - 5), 3, 4099, as_int64(2**32 - 37), "kernel"))
 torch.save(out, sys.argv[1])
 """
 

@@ -25,7 +25,7 @@ def test_generator_must_be_a_torch_generator(generator):
 
 
 def test_generator_on_another_device_is_refused():
-    from clipshard._checks import check_generator
+    from clipshard.ops.inputs import check_generator
     with pytest.raises(ValueError, match=r"f: generator must be on the tensors' device \(meta\), got a generator on cpu"):
         check_generator("f", torch.Generator(), torch.device("meta"))
     check_generator("f", torch.Generator(), torch.device("cpu"))  # the right device passes

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 import torch
 
-from clipshard._random import _CUDA_KEY_SALT
+from clipshard.ops.seeds import _CUDA_KEY_SALT
 from clipshard.rounding import stochastic_round, stochastic_round_
 
 pytestmark = pytest.mark.cuda
@@ -78,7 +78,7 @@ def test_generator_path_without_sync(dtype):
     x = torch.randn(4097, device="cuda")
     gen = torch.cuda.default_generators[torch.cuda.current_device()]
     torch.cuda.manual_seed(77)
-    seed, offset = gen.initial_seed() ^ _CUDA_KEY_SALT, gen.get_offset()  # as clipshard._random draws them
+    seed, offset = gen.initial_seed() ^ _CUDA_KEY_SALT, gen.get_offset()  # as clipshard.ops.seeds draws them
     torch.cuda.set_sync_debug_mode("error")  # any host-device synchronisation raises
     try:
         a = stochastic_round(x, dtype)

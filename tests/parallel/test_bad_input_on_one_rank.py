@@ -138,3 +138,37 @@ def test_one_element_logit_scale_and_bias_work_on_a_group():
         return all(torch.equal(a, b) for a, b in zip(*results))
 
     assert run_group(run, 2, timeout=60) == [True, True]
+
+
+def _meta_features_rank(rank, world_size):
+    """Issue 31 item 7 (a regression): rank 1's features and scales on the meta device, the scales
+    as Python numbers or meta tensors. The scales' values ride on the metadata row, and copying
+    them out of a meta tensor killed rank 1 ("Cannot copy out of meta tensor") while the others got
+    gloo's "Connection closed by peer". Now every rank raises the device error, for every loss and
+    mode (the same row carries SigLIP's and the distillation's scales, the teachers' too)."""
+    image, text = _features(rank)
+    device = "meta" if rank == 1 else "cpu"
+    image, text = image.to(device), text.to(device)
+    teacher = torch.randn(4, 6).to(device)
+    calls = {
+        "clip_loss exchange": lambda: clipshard.clip_loss(image, text, 10.0, local_loss=True),
+        "clip_loss ring": lambda: clipshard.clip_loss(image, text, torch.tensor(10.0, device=device), mode="ring"),
+        "siglip_loss gather": lambda: clipshard.siglip_loss(image, text, 10.0, -1.0),
+        "siglip_loss ring": lambda: clipshard.siglip_loss(image, text, 10.0, -1.0, mode="ring"),
+        "DistillClipLoss exchange": lambda: clipshard.DistillClipLoss(True, True, rank=rank, world_size=2)(
+            image, text, 10.0, teacher, teacher, 20.0),
+        "DistillClipLoss ring": lambda: clipshard.DistillClipLoss(True, True, rank=rank, world_size=2, mode="ring")(
+            image, text, 10.0, teacher, teacher, 20.0),
+    }
+    for name, call in calls.items():
+        with pytest.raises(ValueError, match="all ranks must use the same feature device type, got rank 0: cpu, "
+                                             "rank 1: meta"):
+            call()
+        probe = torch.ones(1)  # the group still works: nobody is waiting in a collective
+        dist.all_reduce(probe)
+        assert probe.item() == world_size, name
+    return True
+
+
+def test_features_on_the_meta_device_on_one_rank_raise_the_device_error_on_every_rank():
+    assert run_group(_meta_features_rank, 2, timeout=120) == [True, True]

@@ -153,3 +153,65 @@ def _rank(rank, world_size, algorithm):
 def test_distill_matches_open_clip_and_reference_on_three_ranks(algorithm):
     results = run_group(_rank, WORLD, algorithm, timeout=300)
     report_worst({k: max(r[k] for r in results) for k in results[0]})
+
+
+def _disagreeing_ranks(rank, world_size):
+    """Issue 31 item 2: different student or teacher logit scales per rank. Exchange and ring (and
+    local_loss=False in every mode) combine terms that other ranks computed with their own scales,
+    so the values silently differed from open_clip's; now every rank refuses, as ClipLoss does,
+    naming logit_scale or dist_logit_scale. mode="local" with local_loss=True uses each rank's own
+    scales (open_clip's) and runs. _disagreeing_teachers (item 4): a different teacher count,
+    average_after_softmax, teacher dimension or teacher dtype per rank names that option (before:
+    "loss options (local_loss, gather_with_grad, mode)" with hashed numbers)."""
+    image, text, t_images, t_texts = _batch((4, 4), seed=31 + rank, teacher_dims=(24, 16))
+    image, text = image[:4], text[:4]
+    t_image, t_text = t_images[0][:4], t_texts[0][:4]
+    scale, t_scale = torch.tensor([10.0, 20.0][rank]), torch.tensor([30.0, 40.0][rank])
+    for mode in ("exchange", "ring", "local"):
+        for local_loss in (True, False):
+            loss = clipshard.DistillClipLoss(local_loss=local_loss, gather_with_grad=True, rank=rank, world_size=2,
+                                             mode=mode)
+            if mode == "local" and local_loss:
+                assert torch.isfinite(torch.stack(loss(image, text, scale, t_image, t_text, t_scale))).all()
+                continue
+            with pytest.raises(ValueError, match=r"same logit_scale here, got rank 0: 10\.0, rank 1: 20\.0"):
+                loss(image, text, scale, t_image, t_text, torch.tensor(30.0))
+            with pytest.raises(ValueError, match=r"same dist_logit_scale here, got rank 0: 30\.0, rank 1: 40\.0"):
+                loss(image, text, torch.tensor(10.0), t_image, t_text, t_scale)
+    return _group_still_works(world_size)
+
+
+def _disagreeing_teachers(rank, world_size):
+    image, text, t_images, t_texts = _batch((4, 4), seed=31 + rank, teacher_dims=(24, 16))
+    image, text = image[:4], text[:4]
+    t_image, t_text = t_images[0][:4], t_texts[0][:4]
+    same = torch.tensor(10.0), torch.tensor(30.0)
+    loss = clipshard.DistillClipLoss(rank=rank, world_size=2)
+    teachers = ([t_image], [t_text], [same[1]]) if rank == 0 else ([t_image] * 2, [t_text] * 2, [same[1]] * 2)
+    with pytest.raises(ValueError, match=r"same teacher count, got rank 0: 1, rank 1: 2"):
+        loss(image, text, same[0], *teachers)
+    with pytest.raises(ValueError, match=r"same loss options \(average_after_softmax\), got rank 0: False, rank 1: True"):
+        clipshard.DistillClipLoss(rank=rank, world_size=2, average_after_softmax=rank == 1)(
+            image, text, same[0], t_image, t_text, same[1])
+    other_dim = (t_image, t_text) if rank == 0 else (t_images[1][:4], t_texts[1][:4])
+    with pytest.raises(ValueError, match=r"same teacher's feature dimension, got rank 0: 24, rank 1: 16"):
+        loss(image, text, same[0], *other_dim, same[1])
+    other_dtype = (t_image.float(), t_text.float()) if rank == 0 else (t_image.double(), t_text.double())
+    with pytest.raises(ValueError, match=r"same teacher's feature dtype, got rank 0: torch.float32, rank 1: "
+                                         r"torch.float64"):
+        loss(image, text, same[0], *other_dtype, same[1])
+    return _group_still_works(world_size)
+
+
+def _group_still_works(world_size):
+    probe = torch.ones(1)  # nobody was left inside a collective
+    dist.all_reduce(probe)
+    return probe.item() == world_size
+
+
+def test_ranks_with_different_scales_raise_on_every_rank_naming_the_scale():
+    assert run_group(_disagreeing_ranks, 2, timeout=120) == [True, True]
+
+
+def test_ranks_with_different_teachers_raise_on_every_rank_naming_the_option():
+    assert run_group(_disagreeing_teachers, 2, timeout=120) == [True, True]

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 
 import clipshard
-from clipshard.parallel.collectives import ShardLayout, same_on_every_rank
+from clipshard.parallel.collectives import same_on_every_rank
+from clipshard.parallel.layout import ShardLayout
 from tests.dist_utils import run_group
 from tests.parallel.test_clip_loss_distributed import _global_batch
 from tests.references.contrastive import clip_loss_rank_reference

@@ -109,7 +109,7 @@ def _extra_memory(rank, group, mode, m, dim):
 @contextmanager
 def _no_batch_gathers():
     """Every collective that could move the whole batch raises (the metadata all-gather of
-    shard_layout goes through cdist._all_gather_single, captured at import, and stays usable)."""
+    the losses' shard_layout goes through cdist.all_gather_single, captured at import, and stays usable)."""
     def refuse(name):
         def fail(*args, **kwargs):
             raise AssertionError(f"ring mode called {name}")

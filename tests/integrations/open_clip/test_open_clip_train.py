@@ -140,13 +140,13 @@ def test_fp32_losses_match_stock_open_clip_train(data, tmp_path, flags):
     ours, log = _train(data, tmp_path, "clipshard", "clipshard", "--epochs", "1", *flags)
     for rank in range(RANKS):
         assert stock[rank]["loss_class"] == "open_clip.loss.ClipLoss" and not stock[rank]["clipshard_imported"]
-        assert ours[rank]["loss_class"] == "clipshard.loss.ClipLoss"
+        assert ours[rank]["loss_class"] == "clipshard.losses.clip.ClipLoss"
         assert len(stock[rank]["losses"]) == len(ours[rank]["losses"]) == STEPS_PER_EPOCH
         assert len(set(stock[rank]["losses"])) == STEPS_PER_EPOCH  # training moves the loss each step
         difference = _max_relative_difference(ours[rank]["losses"], stock[rank]["losses"])
         print(f"{flags or 'default'} rank {rank}: max relative loss difference {difference:.2e}")
         assert difference <= 1e-5, (ours[rank]["losses"], stock[rank]["losses"])
-    assert "clipshard: create_loss built clipshard.loss.ClipLoss" in log
+    assert "clipshard: create_loss built clipshard.losses.clip.ClipLoss" in log
     assert "left as open_clip's: none" in log
 
 
@@ -168,14 +168,14 @@ def test_distill_losses_match_stock_open_clip_train(data, tmp_path):
     ours, log = _train(data, tmp_path, "clipshard", "clipshard", *flags)
     for rank in range(RANKS):
         assert stock[rank]["loss_class"] == "open_clip.loss.DistillClipLoss"
-        assert ours[rank]["loss_class"] == "clipshard.distill.DistillClipLoss"
+        assert ours[rank]["loss_class"] == "clipshard.losses.distill.DistillClipLoss"
         for key in ("losses", "distill_losses"):
             assert len(stock[rank][key]) == len(ours[rank][key]) == STEPS_PER_EPOCH
             assert len(set(stock[rank][key])) == STEPS_PER_EPOCH
             difference = _max_relative_difference(ours[rank][key], stock[rank][key])
             print(f"distill rank {rank} {key}: max relative difference {difference:.2e}")
             assert difference <= 1e-5, (ours[rank][key], stock[rank][key])
-    assert "clipshard: create_loss built clipshard.distill.DistillClipLoss" in log
+    assert "clipshard: create_loss built clipshard.losses.distill.DistillClipLoss" in log
 
 
 @pytest.fixture(scope="module")
@@ -202,7 +202,7 @@ def test_half_text_tower_with_clipshard_adamw_trains(half_text_runs):
     assert "clipshard.optim.AdamW in place of torch.optim.AdamW" in log
     for rank in range(RANKS):
         losses = first[rank]["losses"]
-        assert first[rank]["loss_class"] == "clipshard.loss.ClipLoss"
+        assert first[rank]["loss_class"] == "clipshard.losses.clip.ClipLoss"
         assert len(losses) == 2 * STEPS_PER_EPOCH
         print(f"rank {rank}: losses {[round(x, 4) for x in losses]}")
         assert max(losses[-STEPS_PER_EPOCH:]) < 0.8 * losses[0]

@@ -1,55 +1,56 @@
 """`DistillClipLoss`: a drop-in for open_clip's DistillClipLoss (the contrastive loss plus the
 cross-entropy of the student's logits against a teacher's softmax), fused and sharded, for one
 teacher or an ensemble of teachers (docs/distillation.md)."""
-import zlib
-
 import torch
 
-from clipshard._checks import check_flags, check_rank_and_world_size
-from clipshard.loss import _as_scalar_tensor, _config_code, _resolve_mode
-from clipshard.ops._algorithm import check_algorithm
-from clipshard.ops._block_checks import SUPPORTED_DTYPES
+from clipshard.losses import base
+from clipshard.ops import check_algorithm
 from clipshard.ops.distill_lse import ALGORITHMS
-from clipshard.parallel import collectives as cdist
+from clipshard.ops.inputs import SUPPORTED_DTYPES, Problem, check_flags
 from clipshard.parallel import distill_exchange
+from clipshard.parallel.agreement import exchange_rows, require_same
 
 
 def _as_list(value):
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
+# What the other ranks are told when one rank's teachers are bad (its own error says which).
+_TEACHER_PROBLEM = "dist_image_features, dist_text_features or dist_logit_scale is invalid (its error says which)"
+
+
 def _teacher_problem(image, teacher_images, teacher_texts, teacher_scales):
-    """(exception class, message) of the first problem with the teachers' inputs, or None."""
+    """The first Problem with the teachers' inputs (the student's are valid), or None."""
     if not (len(teacher_images) == len(teacher_texts) == len(teacher_scales)) or not teacher_images:
-        return ValueError, (f"dist_image_features, dist_text_features and dist_logit_scale must be one teacher's or "
-                            f"lists of the same length >= 1, got {len(teacher_images)}, {len(teacher_texts)} and "
-                            f"{len(teacher_scales)} teachers")
+        return Problem(ValueError, "dist_image_features, dist_text_features and dist_logit_scale must be one "
+                       "teacher's or lists of the same length >= 1", f"{len(teacher_images)}, {len(teacher_texts)} "
+                       f"and {len(teacher_scales)} teachers")
     for k, (t_image, t_text, t_scale) in enumerate(zip(teacher_images, teacher_texts, teacher_scales)):
         which = f"teacher {k}: " if len(teacher_images) > 1 else ""
         for name, t in (("dist_image_features", t_image), ("dist_text_features", t_text)):
             if not torch.is_tensor(t):
-                return TypeError, f"{which}{name} must be a tensor, got {type(t).__name__}"
+                return Problem(TypeError, f"{which}{name} must be a tensor", type(t).__name__)
             if t.dtype not in SUPPORTED_DTYPES:
-                return TypeError, f"{which}{name} must be float32, float16, bfloat16 or float64, got {t.dtype}"
+                return Problem(TypeError, f"{which}{name} must be float32, float16, bfloat16 or float64", f"{t.dtype}")
             if t.device != image.device:
-                return ValueError, f"{which}{name} must be on the students' device ({image.device}), got {t.device}"
+                return Problem(ValueError, f"{which}{name} must be on the students' device ({image.device})",
+                               f"{t.device}")
         if t_image.dim() != 2 or t_image.shape != t_text.shape or t_image.shape[1] == 0:
-            return ValueError, (f"{which}dist_image_features and dist_text_features must have the same shape "
-                                f"(batch x teacher dim, dim >= 1), got {tuple(t_image.shape)} and "
-                                f"{tuple(t_text.shape)}")
+            return Problem(ValueError, f"{which}dist_image_features and dist_text_features must have the same shape "
+                           "(batch x teacher dim, dim >= 1)", f"{tuple(t_image.shape)} and {tuple(t_text.shape)}")
         if t_image.shape[0] != image.shape[0]:
-            return ValueError, (f"{which}the teacher's batch must be the student's ({image.shape[0]} rows), got "
-                                f"{t_image.shape[0]}")
+            return Problem(ValueError, f"{which}the teacher's batch must be the student's ({image.shape[0]} rows)",
+                           f"{t_image.shape[0]}")
         if t_image.dtype != t_text.dtype or t_image.dtype != teacher_images[0].dtype:
-            return TypeError, (f"{which}every teacher feature tensor must have one dtype, got {t_image.dtype}, "
-                               f"{t_text.dtype} and {teacher_images[0].dtype}")
+            return Problem(TypeError, f"{which}every teacher feature tensor must have one dtype",
+                           f"{t_image.dtype}, {t_text.dtype} and {teacher_images[0].dtype}")
         number = isinstance(t_scale, (int, float)) and not isinstance(t_scale, bool)
         if not number and not (torch.is_tensor(t_scale) and t_scale.numel() == 1 and t_scale.is_floating_point()
                                and t_scale.device == image.device):
             got = (f"shape {tuple(t_scale.shape)}, {t_scale.dtype} on {t_scale.device}" if torch.is_tensor(t_scale)
                    else type(t_scale).__name__)
-            return TypeError, (f"{which}dist_logit_scale must be a float or a one-element floating-point tensor on "
-                               f"the features' device, got {got}")
+            return Problem(TypeError, f"{which}dist_logit_scale must be a float or a one-element floating-point "
+                           "tensor on the features' device", got)
     return None
 
 
@@ -75,12 +76,27 @@ def _stack_logit_mean(images, texts, scales):
             (first / len(images)).reshape(1), weights)
 
 
-def _teacher_config(leaves, average_after_softmax):
-    """A number that every rank's teacher inputs must share (count, dims, dtypes, requires_grad)."""
-    grad_mode = torch.is_grad_enabled()
-    description = (average_after_softmax, [(tuple(t.shape[1:]), str(t.dtype), grad_mode and t.requires_grad)
-                                           for t in leaves])
-    return zlib.crc32(repr(description).encode()) & 0x7FFFFFFF
+def _check_teachers_agree(fn, group, images, texts, scales, same_scales):
+    """Raise on every rank if the ranks' teachers differ (the teacher count already agrees): per
+    teacher its feature dimension, dtypes and requires_grad pattern, and with same_scales its
+    logit scale's value."""
+    fields = []
+    for t_image, t_text, t_scale in zip(images, texts, scales):
+        fields += [t_image.shape[1], base.DTYPE_CODES[t_image.dtype], base.DTYPE_CODES.get(t_scale.dtype, -1),
+                   base.requires_grad_bits((t_image, t_text, t_scale))]
+    table, values = exchange_rows(fn, group, fields, scales)
+    for k in range(len(images)):
+        which = f"teacher {k}'s" if len(images) > 1 else "teacher's"
+        for j, (what, shown) in enumerate(((f"{which} feature dimension", {}),
+                                           (f"{which} feature dtype", base.DTYPE_NAMES),
+                                           (f"{which} dist_logit_scale dtype", base.DTYPE_NAMES),
+                                           (f"{which} requires_grad pattern of (dist_image_features, "
+                                            "dist_text_features, dist_logit_scale) under the grad mode", {}))):
+            require_same(fn, [row[4 * k + j] for row in table], what, shown)
+    if same_scales:
+        for k in range(len(images)):
+            name = f"dist_logit_scale (teacher {k})" if len(images) > 1 else "dist_logit_scale"
+            base.require_same_values(fn, name, [row[k] for row in values])
 
 
 class DistillClipLoss(torch.nn.Module):
@@ -103,13 +119,11 @@ class DistillClipLoss(torch.nn.Module):
         fn = "DistillClipLoss"
         check_flags(fn, cache_labels=cache_labels, use_horovod=use_horovod,
                     average_after_softmax=average_after_softmax)
-        check_rank_and_world_size(fn, rank, world_size)
-        if use_horovod:
-            raise ValueError(f"{fn}: use_horovod=True is not supported; clipshard communicates through "
-                             "torch.distributed (launch with torchrun)")
+        base.check_rank_and_world_size(fn, rank, world_size)
+        base.check_horovod(fn, use_horovod)
         self.local_loss, self.gather_with_grad, self.cache_labels = local_loss, gather_with_grad, cache_labels
         self.rank, self.world_size, self.use_horovod = rank, world_size, use_horovod
-        self.mode = _resolve_mode(fn, mode, local_loss, gather_with_grad)
+        self.mode = base.resolve_mode(fn, mode, local_loss, gather_with_grad)
         self.group = group
         check_algorithm(fn, algorithm, ALGORITHMS)
         self.algorithm = algorithm
@@ -133,19 +147,22 @@ class DistillClipLoss(torch.nn.Module):
         images, texts = _as_list(dist_image_features), _as_list(dist_text_features)
         scales = _as_list(dist_logit_scale)
         distributed = not (self.world_size == 1 and self.group is None)
-        group = cdist.resolve_group(fn, self.group, self.world_size)[0] if distributed else None
-        problem = _teacher_problem(image_features, images, texts, scales) if torch.is_tensor(image_features) else None
-        cdist.raise_on_every_rank(fn, problem, group)
-        scale = _as_scalar_tensor(logit_scale, image_features)
-        scales = [_as_scalar_tensor(s, image_features) for s in scales]
+        group = base.resolve_group(fn, self.group, self.world_size) if distributed else None
+        scale = base.as_scalar_tensor(logit_scale, image_features)
+        valid = base.input_problem(image_features, text_features, scale, None) is None
+        teacher_problem = _teacher_problem(image_features, images, texts, scales) if valid else None
+        scales = [base.as_scalar_tensor(s, image_features) for s in scales]
         explicit = distributed and not (self.world_size == 1 and self.rank == 0)
-        layout = cdist.shard_layout(
-            fn, image_features, text_features, scale, None, group,
-            config=_config_code(self.local_loss, self.gather_with_grad, self.mode),
-            rank_arg=self.rank if explicit else None, world_size_arg=self.world_size if explicit else None)
-        if group is not None:  # the teachers must agree across ranks too
-            cdist.shard_layout(f"{fn} (teachers)", images[0], texts[0], scales[0], None, group,
-                               config=_teacher_config(images + texts + scales, self.average_after_softmax))
+        options = base.Options("the distillation loss", self.mode, local_loss=self.local_loss,
+                               gather_with_grad=self.gather_with_grad, teachers=len(images),
+                               average_after_softmax=self.average_after_softmax)
+        mixes = base.mixes_ranks_scales(self.local_loss, self.mode)
+        layout = base.shard_layout(
+            fn, image_features, text_features, scale, None, group, options,
+            rank_arg=self.rank if explicit else None, world_size_arg=self.world_size if explicit else None,
+            same_scale_and_bias=mixes, own_problem=(_TEACHER_PROBLEM, teacher_problem))
+        if group is not None:  # the teachers must agree across ranks too (their count does already)
+            _check_teachers_agree(fn, group, images, texts, scales, mixes)
         stack = _stack_after_softmax if self.average_after_softmax else _stack_logit_mean
         n = len(images)
         teachers = (images + texts + scales, lambda *leaves: stack(leaves[:n], leaves[n:2 * n], leaves[2 * n:]))

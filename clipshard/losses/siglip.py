@@ -18,19 +18,15 @@ dist_impl values. Two modes compute it:
 """
 import torch
 
-from clipshard.parallel import collectives as cdist
-from clipshard._checks import check_flags, check_rank_and_world_size
-from clipshard.loss import _as_scalar_tensor
-from clipshard.ops._algorithm import check_algorithm
+from clipshard.losses import base
+from clipshard.ops import check_algorithm
+from clipshard.ops.inputs import check_flags
 from clipshard.ops.siglip_sum import ALGORITHMS, siglip_sum
+from clipshard.parallel import collectives
 from clipshard.parallel.siglip_ring import siglip_ring_loss
 
 DIST_IMPLS = ("bidir", "shift", "reduce", "gather")
-MODES = ("gather", "ring")
-# shard_layout's `config`: the same on every rank running this loss with the same mode, and unlike
-# ClipLoss's codes (0 to 11), so that ranks mixing the two losses or the two modes raise instead of
-# waiting in different collectives.
-_CONFIG_CODE = 1 << 4
+MODES = base.SIGLIP_MODES
 
 
 def _check_mode(fn, mode):
@@ -54,12 +50,12 @@ def _check_dist_impl(fn, dist_impl):
 
 def _loss(fn, image, text, scale, bias, group, rank_arg=None, world_size_arg=None, algorithm="auto",
           mode="gather"):
-    scale, bias = _as_scalar_tensor(scale, image), _as_scalar_tensor(bias, image)
-    layout = cdist.shard_layout(fn, image, text, scale, bias, group, config=_CONFIG_CODE + MODES.index(mode),
-                                rank_arg=rank_arg, world_size_arg=world_size_arg)
+    scale, bias = base.as_scalar_tensor(scale, image), base.as_scalar_tensor(bias, image)
+    layout = base.shard_layout(fn, image, text, scale, bias, group, base.Options("the SigLIP loss", mode),
+                               rank_arg=rank_arg, world_size_arg=world_size_arg)
     if mode == "ring" and layout.world_size > 1:
         return siglip_ring_loss(image, text, scale, bias, layout, algorithm)
-    all_text = cdist.gather_rows(text, layout)
+    all_text = collectives.gather_rows(text, layout)
     return siglip_sum(image, all_text, scale, bias, pos_offset=layout.offset, algorithm=algorithm) / layout.local_size
 
 
@@ -79,7 +75,7 @@ def siglip_loss(image_features, text_features, logit_scale, logit_bias=None, *, 
     """
     check_algorithm("siglip_loss", algorithm, ALGORITHMS)
     mode = _check_mode("siglip_loss", mode)
-    group, _ = cdist.resolve_group("siglip_loss", group)
+    group = base.resolve_group("siglip_loss", group)
     return _loss("siglip_loss", image_features, text_features, logit_scale, logit_bias, group, algorithm=algorithm,
                  mode=mode)
 
@@ -100,7 +96,7 @@ class SigLipLoss(torch.nn.Module):
                  mode=None):
         super().__init__()
         check_flags("SigLipLoss", cache_labels=cache_labels)
-        check_rank_and_world_size("SigLipLoss", rank, world_size)
+        base.check_rank_and_world_size("SigLipLoss", rank, world_size)
         self.cache_labels = cache_labels
         self.rank = rank
         self.world_size = world_size
@@ -132,7 +128,7 @@ class SigLipLoss(torch.nn.Module):
             loss = _loss("SigLipLoss", image_features, text_features, logit_scale, logit_bias, None,
                          algorithm=self.algorithm)
         else:
-            group, _ = cdist.resolve_group("SigLipLoss", self.group, self.world_size)
+            group = base.resolve_group("SigLipLoss", self.group, self.world_size)
             explicit = not (self.world_size == 1 and self.rank == 0)
             loss = _loss("SigLipLoss", image_features, text_features, logit_scale, logit_bias, group,
                          rank_arg=self.rank if explicit else None,

@@ -1,0 +1,223 @@
+"""What every public loss shares: scalar coercion, open_clip's constructor arguments, the modes, the
+codes that name loss options across ranks, and the cross-rank validation of the losses' inputs.
+
+`shard_layout` validates the inputs of every rank in one metadata exchange
+(clipshard.parallel.agreement) and returns the ShardLayout: each rank sends one row, FIELDS below,
+and every rank checks all rows with the same code, so that a bad input or ranks that disagree raise
+the same error on every rank instead of leaving some of them waiting in a collective. The loss's
+options travel as explicit fields (OPTIONS), so a disagreement names the option.
+"""
+import zlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from clipshard.ops.inputs import SUPPORTED_DTYPES, FeaturePair, LossScalar, check_flags
+from clipshard.parallel.agreement import differing_values, exchange_rows, require_same
+from clipshard.parallel.layout import ShardLayout, process_group, single_process_layout
+
+CLIP_MODES = ("exchange", "local", "ring")  # ClipLoss and DistillClipLoss
+SIGLIP_MODES = ("gather", "ring")
+
+
+def as_scalar_tensor(value, like):
+    """Python numbers become 0-dim tensors on the features' device; one-element tensors become 0-dim."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and torch.is_tensor(like):
+        acc = torch.float64 if like.dtype == torch.float64 else torch.float32
+        return torch.tensor(float(value), dtype=acc, device=like.device)
+    if torch.is_tensor(value) and value.numel() == 1 and value.dim() != 0:
+        return value.reshape(())
+    return value
+
+
+def check_rank_and_world_size(fn, rank, world_size):
+    """open_clip's loss constructor arguments: ints, rank >= 0, world_size >= 1."""
+    for name, value, least in (("rank", rank, 0), ("world_size", world_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{fn}: {name} must be an int, got {value!r} ({type(value).__name__})")
+        if value < least:
+            raise ValueError(f"{fn}: {name} must be >= {least}, got {value}")
+
+
+def check_horovod(fn, use_horovod):
+    if use_horovod:
+        raise ValueError(f"{fn}: use_horovod=True is not supported; clipshard communicates through "
+                         "torch.distributed (launch with torchrun)")
+
+
+def resolve_group(fn, group, world_size=None):
+    """The process group to use (None: this process alone); world_size (open_clip's argument) > 1
+    without an initialised process group is an error."""
+    resolved = process_group(fn, group)
+    if resolved is None and world_size not in (None, 1):
+        raise RuntimeError(f"{fn}: world_size={world_size} but torch.distributed is not initialised; call "
+                           "torch.distributed.init_process_group first (or use world_size=1)")
+    return resolved
+
+
+def resolve_mode(fn, mode, local_loss, gather_with_grad):
+    """ClipLoss's and DistillClipLoss's mode; None follows gather_with_grad."""
+    check_flags(fn, local_loss=local_loss, gather_with_grad=gather_with_grad)
+    if mode is None:
+        return "exchange" if gather_with_grad else "local"
+    if mode not in CLIP_MODES:
+        raise ValueError(f"{fn}: mode must be 'exchange', 'local', 'ring' or None, got {mode!r}")
+    if mode in ("exchange", "ring") and local_loss and not gather_with_grad:
+        raise ValueError(
+            f"{fn}: mode={mode!r} cannot reproduce open_clip's (local_loss=True, "
+            "gather_with_grad=False) gradients, which drop the terms of each rank's features in the "
+            "other ranks' rows; use mode='local' (the default there) or gather_with_grad=True"
+        )
+    return mode
+
+
+def mixes_ranks_scales(local_loss, mode):
+    """Whether a rank's loss combines terms computed by other ranks with their own logit scales
+    (and biases) (the column LSEs of exchange and ring, the sum of local_loss=False), so that the
+    ranks must agree on them. open_clip scales each rank's loss by that rank's own values, which only
+    mode="local" with local_loss=True reproduces (it computes both of its LSEs itself)."""
+    return mode != "local" or not local_loss
+
+
+@dataclass(frozen=True)
+class Options:
+    """A loss's options as they travel across ranks; None where the loss has no such option."""
+
+    loss: str  # one of LOSSES
+    mode: str
+    local_loss: bool = None
+    gather_with_grad: bool = None
+    teachers: int = None
+    average_after_softmax: bool = None
+
+
+LOSSES = ("the CLIP loss", "the SigLIP loss", "the distillation loss")
+_MODES = ("exchange", "local", "ring", "gather")  # every loss's modes
+_FLAG = {-1: "(none)", 0: False, 1: True}
+# Per option: (description in messages, how a code is shown).
+OPTIONS = {
+    "loss": ("loss options (which loss)", dict(enumerate(LOSSES))),
+    "mode": ("loss options (mode)", dict(enumerate(_MODES))),
+    "local_loss": ("loss options (local_loss)", _FLAG),
+    "gather_with_grad": ("loss options (gather_with_grad)", _FLAG),
+    "teachers": ("teacher count", {}),
+    "average_after_softmax": ("loss options (average_after_softmax)", _FLAG),
+}
+
+
+def _option_codes(options):
+    values = {"loss": LOSSES.index(options.loss), "mode": _MODES.index(options.mode)}
+    for name in ("local_loss", "gather_with_grad", "teachers", "average_after_softmax"):
+        value = getattr(options, name)
+        values[name] = -1 if value is None else int(value)
+    return [values[name] for name in OPTIONS]
+
+
+DTYPE_CODES = {dtype: k for k, dtype in enumerate(SUPPORTED_DTYPES)}
+DTYPE_NAMES = {k: str(dtype) for dtype, k in DTYPE_CODES.items()}
+
+
+def _device_code(device_type):
+    """A number for a device type name, the same in every process (Python's hash() is salted per
+    process): every device type torch supports is accepted, and ranks must agree on it."""
+    return zlib.crc32(device_type.encode())
+
+
+# Names of the device types whose codes an error message may have to print back.
+_KNOWN_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "meta", "hpu", "mtia", "xla", "lazy", "ipu", "maia",
+                       "privateuseone")
+_DEVICE_NAMES = {_device_code(t): t for t in _KNOWN_DEVICE_TYPES}
+
+
+def requires_grad_bits(tensors):
+    """Which inputs autograd will differentiate: a rank under torch.no_grad() would skip the backward
+    collectives that the other ranks enter."""
+    grad_mode = torch.is_grad_enabled()
+    return sum(int(grad_mode and t is not None and t.requires_grad) << k for k, t in enumerate(tensors))
+
+
+# The features and logit scalars of every loss, and every problem they can have, numbered for the
+# other ranks (0: none; the last code is a loss's own problem, described by the loss).
+FEATURES = FeaturePair(("image_features", "text_features"), ("batch x dim", "batch x dim"), same_shape=True)
+SCALE, BIAS = LossScalar("logit_scale"), LossScalar("logit_bias", optional=True)
+_RULES = FEATURES.rules() + SCALE.rules() + BIAS.rules()
+_OWN_PROBLEM = len(_RULES) + 1
+_DESCRIBE = dict(enumerate(_RULES, 1))  # what the other ranks say about a problem code
+
+# Column order of the metadata row each rank contributes (the option fields are OPTIONS').
+FIELDS = ("batch", "dim", "dtype", "device", "has_bias", "requires_grad", *OPTIONS, "rank_arg", "world_size_arg",
+          "scale_dtype", "bias_dtype")
+# What must agree, in the order checked: (field, description, how a code is shown).
+_MUST_AGREE = (
+    ("dim", "feature dimension D", {}),
+    ("dtype", "feature dtype", DTYPE_NAMES),
+    ("device", "feature device type", _DEVICE_NAMES),
+    ("has_bias", "presence of logit_bias", {}),
+    ("requires_grad", "requires_grad pattern of (image, text, logit_scale, logit_bias) under the grad mode", {}),
+    *((name, what, shown) for name, (what, shown) in OPTIONS.items()),
+    ("scale_dtype", "logit_scale dtype", DTYPE_NAMES),
+    ("bias_dtype", "logit_bias dtype", DTYPE_NAMES),
+)
+
+
+def input_problem(image, text, scale, bias):
+    """The first Problem with one rank's inputs, or None. Everything that would make this rank fail
+    after the metadata exchange belongs here."""
+    problem = FEATURES.problem(image, text)
+    if problem is None:
+        problem = SCALE.problem(scale, image) or BIAS.problem(bias, image)
+    return problem
+
+
+def shard_layout(fn, image, text, scale, bias, group, options, *, rank_arg=None, world_size_arg=None,
+                 same_scale_and_bias=False, own_problem=None):
+    """Validate the inputs of all ranks (one metadata exchange with a process group) and return the
+    ShardLayout. scale and bias are tensors already (as_scalar_tensor). rank_arg / world_size_arg
+    are open_clip's constructor arguments, checked against the group when given.
+    same_scale_and_bias=True requires every rank to hold the same logit_scale and logit_bias values
+    (mixes_ranks_scales). own_problem: (description for the other ranks, Problem or None), a
+    problem the loss found in inputs of its own (the distillation loss's teachers)."""
+    problem = input_problem(image, text, scale, bias)
+    code = _RULES.index(problem.rule) + 1 if problem else 0
+    if problem is None and own_problem is not None and own_problem[1] is not None:
+        problem, code = own_problem[1], _OWN_PROBLEM
+    if group is None:
+        if problem is not None:
+            problem.raise_for(fn)
+        return single_process_layout(image.shape[0])
+    describe = _DESCRIBE if own_problem is None else {**_DESCRIBE, _OWN_PROBLEM: own_problem[0]}
+    if problem is not None:
+        fields = [0] * len(FIELDS)
+    else:
+        fields = [image.shape[0], image.shape[1], DTYPE_CODES[image.dtype], _device_code(image.device.type),
+                  int(bias is not None), requires_grad_bits((image, text, scale, bias)), *_option_codes(options),
+                  -1 if rank_arg is None else rank_arg, -1 if world_size_arg is None else world_size_arg,
+                  DTYPE_CODES[scale.dtype], -1 if bias is None else DTYPE_CODES[bias.dtype]]
+    table, values = exchange_rows(fn, group, fields, (scale, bias) if problem is None else (None, None),
+                                  None if problem is None else (problem.error, code, problem.message), describe)
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    column = {name: [row[k] for row in table] for k, name in enumerate(FIELDS)}
+    for q, (given_rank, given_size) in enumerate(zip(column["rank_arg"], column["world_size_arg"])):
+        if given_size not in (-1, world_size):
+            raise ValueError(f"{fn}: rank {q} was given world_size={given_size} but the process group has "
+                             f"{world_size} ranks")
+        if given_rank not in (-1, q):
+            raise ValueError(f"{fn}: rank {q} of the process group was given rank={given_rank}")
+    for name, what, shown in _MUST_AGREE:
+        require_same(fn, column[name], what, shown)
+    if same_scale_and_bias:
+        for k, name in enumerate(("logit_scale", "logit_bias")[: 1 + (bias is not None)]):
+            require_same_values(fn, name, [row[k] for row in values])
+    return ShardLayout(sizes=tuple(column["batch"]), rank=rank, group=group)
+
+
+def require_same_values(fn, name, column):
+    """Raise on every rank if the ranks' values of the logit scalar `name` differ (NaN equals NaN)."""
+    if differing_values(column):
+        per_rank = ", ".join(f"rank {q}: {v!r}" for q, v in enumerate(column))
+        raise ValueError(
+            f"{fn}: all ranks must use the same {name} here, got {per_rank}: with mode 'exchange' or "
+            "'ring', or local_loss=False, a rank's loss combines terms that the other ranks computed "
+            f"with their own {name} (mode='local' with local_loss=True uses each rank's own value, "
+            "as open_clip does; docs/distributed.md)")

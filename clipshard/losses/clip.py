@@ -1,0 +1,113 @@
+"""The public CLIP loss: `clip_loss` (functional) and `ClipLoss`, a drop-in for open_clip's ClipLoss.
+One device: docs/fused_loss.md; over ranks: docs/distributed.md."""
+import torch
+
+from clipshard.losses import base
+from clipshard.ops import check_algorithm
+from clipshard.ops.contrastive_lse import ALGORITHMS, contrastive_lse
+from clipshard.ops.inputs import check_flags
+from clipshard.parallel import exchange
+
+
+def _single_device_loss(image_features, text_features, logit_scale, logit_bias=None, algorithm="auto"):
+    """open_clip's ClipLoss on one device: (CE(logits_per_image) + CE(logits_per_text)) / 2 with
+    logits = logit_scale * image_features @ text_features^T (+ logit_bias), the positives on the
+    diagonal. One fused pass gives the row and column log-sum-exps from the same similarity tiles;
+    the B x B logits are never stored."""
+    row_lse, pos_logit, col_lse = contrastive_lse(image_features, text_features, logit_scale, logit_bias,
+                                                  pos_offset=0, want_col_lse=True, algorithm=algorithm)
+    return ((row_lse - pos_logit).mean() + (col_lse - pos_logit).mean()) / 2
+
+
+def _loss(fn, image, text, scale, bias, *, local_loss, gather_with_grad, mode, group, rank_arg=None,
+          world_size_arg=None, algorithm="auto"):
+    if group is None:  # the op checks and names the scalars
+        base.FEATURES.check(fn, image, text)
+        return _single_device_loss(image, text, scale, bias, algorithm)
+    scale, bias = base.as_scalar_tensor(scale, image), base.as_scalar_tensor(bias, image)
+    layout = base.shard_layout(
+        fn, image, text, scale, bias, group,
+        base.Options("the CLIP loss", mode, local_loss=local_loss, gather_with_grad=gather_with_grad),
+        rank_arg=rank_arg, world_size_arg=world_size_arg,
+        same_scale_and_bias=base.mixes_ranks_scales(local_loss, mode))
+    if layout.world_size == 1:  # a group of one: every option gives the single-device loss
+        return _single_device_loss(image, text, scale, bias, algorithm)
+    if local_loss:
+        return exchange.rank_loss(image, text, scale, bias, layout, mode, gather_with_grad, algorithm)
+    return exchange.global_loss(image, text, scale, bias, layout, mode, gather_with_grad, algorithm)
+
+
+def clip_loss(image_features, text_features, logit_scale, logit_bias=None, *, local_loss=False,
+              gather_with_grad=True, mode=None, group=None, algorithm="auto"):
+    """CLIP contrastive loss (CE over image rows + CE over text rows) / 2, never materialising the
+    similarity matrix.
+
+    Distributed when `group` is given or torch.distributed is initialised (then over the world
+    group), else on one device. The options follow open_clip's ClipLoss: local_loss=True returns
+    this rank's loss over its own rows and columns of the global similarity matrix, local_loss=False
+    the full-batch loss; gather_with_grad=True gives the exact full-batch gradient, False keeps
+    open_clip's gradient semantics (docs/distributed.md). mode: "exchange" (default with
+    gather_with_grad=True), "local", or "ring" (exchange's results with the text features passed
+    between neighbouring ranks instead of gathered: per-rank memory independent of the world size,
+    slower on small problems). algorithm: contrastive_lse's ("auto", "fused", "chunked" or "torch";
+    docs/portable.md). Returns a 0-dim fp32 tensor (fp64 for fp64 features).
+    """
+    mode = base.resolve_mode("clip_loss", mode, local_loss, gather_with_grad)
+    check_algorithm("clip_loss", algorithm, ALGORITHMS)
+    group = base.resolve_group("clip_loss", group)
+    return _loss("clip_loss", image_features, text_features, logit_scale, logit_bias, local_loss=local_loss,
+                 gather_with_grad=gather_with_grad, mode=mode, group=group, algorithm=algorithm)
+
+
+class ClipLoss(torch.nn.Module):
+    """Drop-in replacement for open_clip.loss.ClipLoss (open_clip 3.3 signature), with the same
+    per-rank loss value and feature gradients for all four (local_loss, gather_with_grad)
+    combinations; see docs/distributed.md for logit_scale / logit_bias gradients per mode.
+
+    world_size=1 with no `group` computes this process's loss alone, like open_clip. Otherwise the
+    process group is `group` (default: the world group); rank and world_size, when not left at
+    their defaults, must agree with it. cache_labels is accepted and has no effect (no label tensor
+    is built). mode, algorithm: see clip_loss. Horovod is not supported.
+    """
+
+    def __init__(self, local_loss=False, gather_with_grad=False, cache_labels=False, rank=0,
+                 world_size=1, use_horovod=False, *, mode=None, group=None, algorithm="auto"):
+        super().__init__()
+        check_flags("ClipLoss", cache_labels=cache_labels, use_horovod=use_horovod)
+        base.check_rank_and_world_size("ClipLoss", rank, world_size)
+        base.check_horovod("ClipLoss", use_horovod)
+        self.local_loss = local_loss
+        self.gather_with_grad = gather_with_grad
+        self.cache_labels = cache_labels
+        self.rank = rank
+        self.world_size = world_size
+        self.use_horovod = use_horovod
+        self.mode = base.resolve_mode("ClipLoss", mode, local_loss, gather_with_grad)
+        self.group = group
+        check_algorithm("ClipLoss", algorithm, ALGORITHMS)
+        self.algorithm = algorithm
+
+    def forward(self, image_features, text_features, logit_scale, logit_bias=None, output_dict=False):
+        """The CLIP loss of this rank's batch, as open_clip's ClipLoss.forward computes it.
+
+        image_features, text_features: (batch, dim) tensors of one dtype (fp32, fp16, bf16 or fp64)
+            on one device, usually L2-normalised; row i of each is a positive pair. Batches may
+            differ in size between ranks.
+        logit_scale: the multiplier of the similarities, already exponentiated (open_clip's models
+            return `logit_scale.exp()`), a 0-dim or one-element tensor or a Python number.
+        logit_bias: optional additive bias of the logits, same forms as logit_scale.
+        output_dict: return {"contrastive_loss": loss} instead of the loss.
+
+        Returns a 0-dim fp32 tensor for fp32 / fp16 / bf16 features (fp64 for fp64): accumulation
+        is in fp32 whatever the feature dtype, and the B x B logits are never stored. Gradients
+        reach both feature tensors, logit_scale and logit_bias (docs/distributed.md per option).
+        """
+        check_flags("ClipLoss", output_dict=output_dict)
+        alone = self.world_size == 1 and self.group is None  # open_clip's single process, even under torchrun
+        group = None if alone else base.resolve_group("ClipLoss", self.group, self.world_size)
+        explicit = not (self.world_size == 1 and self.rank == 0)
+        loss = _loss("ClipLoss", image_features, text_features, logit_scale, logit_bias, local_loss=self.local_loss,
+                     gather_with_grad=self.gather_with_grad, mode=self.mode, group=group,
+                     rank_arg=self.rank if explicit and not alone else None,
+                     world_size_arg=self.world_size if explicit and not alone else None, algorithm=self.algorithm)
+        return {"contrastive_loss": loss} if output_dict else loss
