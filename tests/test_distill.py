@@ -207,3 +207,27 @@ def test_auto_picks_the_compiled_kernel_only_where_registered():
                 assert torch.equal(got, want)
         with pytest.raises(RuntimeError, match="algorithm='compiled' needs the extension's distill_lse kernel"):
             distill_lse(*args, algorithm="compiled")
+
+
+def test_fp16_prescale_bounds_the_sum_over_teachers(monkeypatch):
+    """The torch path's fp16 dS pre-scale on the 16-bit GEMM path GPUs take (its fp32-output GEMM
+    emulated exactly on the CPU) is bounded by each row's sum of row_cross gradients over the
+    teachers, as the CUDA path's is: five teachers that agree on a peaked softmax give each positive
+    dS ~ 5 g, which the bound of the largest single gradient (g) lifted past fp16's 65504 (inf)."""
+    monkeypatch.setattr(_portable_chunks, "_has_fp32_output_gemm", lambda device, dtype: True)
+    monkeypatch.setattr(_portable_chunks, "_mm_with_output_dtype", lambda a, b, dtype: torch.mm(a.to(dtype), b.to(dtype)))
+    gen = torch.Generator().manual_seed(31)
+    m, d, dt, n_teachers = 19, 8, 6, 5
+    inputs = [_unit(gen, m, d), _unit(gen, m, d), _unit(gen, 1, m, dt).expand(n_teachers, m, dt).contiguous(),
+              torch.tensor(10.0, dtype=torch.float64), torch.full((n_teachers,), 100.0, dtype=torch.float64)]
+    rows, cols, teacher, scale, teacher_scale = inputs
+    leaves = [rows.half().requires_grad_(), cols.half().requires_grad_()]
+    refs = [x.detach().double().requires_grad_() for x in leaves]
+    g = 2.0 ** -12  # a power of two: the pre-scale lifts g exactly to 2^14
+    row_cross = distill_lse(*leaves, teacher.half(), teacher.half(), scale.float(), teacher_scale.float(),
+                            algorithm="torch")[3]
+    (row_cross.sum() * g).backward()
+    (distill_lse_reference(*refs, teacher, teacher, scale, teacher_scale)[3].sum() * g).backward()
+    for leaf, ref in zip(leaves, refs):
+        assert torch.isfinite(leaf.grad).all()
+        assert _rel(leaf.grad, ref.grad) <= 5e-3

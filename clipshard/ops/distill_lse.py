@@ -9,7 +9,8 @@ rows, without materialising S or any T^k.
 
 Two algorithms: "compiled" (the extension's CPU kernel and CUDA chunked kernel, when this build
 has them) and "torch" (clipshard/ops/portable_distill.py, on every device). "auto" picks
-"compiled" where the dispatcher has a kernel for the device, else "torch" (clipshard/ops/_algorithm.py).
+"compiled" where the dispatcher has a kernel for the device that takes the student's and the
+teachers' dtypes (on CUDA: no fp64 on either side), else "torch" (clipshard/ops/_algorithm.py).
 """
 import torch
 
@@ -130,7 +131,7 @@ def distill_lse(rows, cols, teacher_rows, teacher_cols, scale, teacher_scale, po
     acc = accumulate_dtype(rows.dtype)
     scale = check_logit_scalar(fn, "scale", scale, rows).to(acc)
     teacher_scale = _check_teacher_scale(fn, teacher_scale, teacher_rows.shape[0], rows).to(acc)
-    algorithm = _algorithm.resolve(fn, algorithm, rows.device, ALGORITHMS, rows.dtype)
+    algorithm = _algorithm.resolve(fn, algorithm, rows.device, ALGORITHMS, rows.dtype, teacher_rows.dtype)
     budget = _workspace_bytes(fn, rows.device, workspace_bytes)
     if algorithm == "torch":
         return distill_lse_torch(rows, cols, teacher_rows, teacher_cols, scale, teacher_scale, pos_offset,
@@ -146,7 +147,8 @@ def distill_lse_backward(grads, rows, cols, teacher_rows, teacher_cols, scale, t
     zero); stats: (row_lse, teacher_row_lse, row_cross, col_lse, teacher_col_lse, col_cross); scale
     0-dim and teacher_scale (T,) in the accumulation dtype. Returns (d rows, d cols, d teacher_rows,
     d teacher_cols, d scale, d teacher_scale), the teachers' empty without teacher_grad."""
-    algorithm = _algorithm.resolve("distill_lse", algorithm, rows.device, ALGORITHMS, rows.dtype)
+    algorithm = _algorithm.resolve("distill_lse", algorithm, rows.device, ALGORITHMS, rows.dtype,
+                                   teacher_rows.dtype)
     budget = _workspace_bytes("distill_lse", rows.device, workspace_bytes)
     if algorithm == "torch":
         return distill_lse_backward_torch(grads, rows, cols, teacher_rows, teacher_cols, scale, teacher_scale,
