@@ -231,3 +231,43 @@ def test_fp16_prescale_bounds_the_sum_over_teachers(monkeypatch):
     for leaf, ref in zip(leaves, refs):
         assert torch.isfinite(leaf.grad).all()
         assert _rel(leaf.grad, ref.grad) <= 5e-3
+
+
+class _BackwardCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the seven upstream gradients of every compiled distill_lse_backward call."""
+
+    def __init__(self):
+        super().__init__()
+        self.grads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._overloadpacket == torch.ops.clipshard.distill_lse_backward:
+            self.grads.append(args[:7])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_compiled_backward_gets_none_for_unused_outputs(device):
+    """The compiled op's autograd hands the kernel None, not zeros, for the outputs a loss leaves
+    out (as the torch path does), so a loss of the student's statistics alone runs no teacher term
+    and no teacher GEMM in any backward chunk (distill_args.h: needs_teacher); the gradients are
+    the torch path's."""
+    gen = torch.Generator().manual_seed(12)
+    inputs = [_unit(gen, 9, 6), _unit(gen, 30, 6), _unit(gen, 2, 9, 5), _unit(gen, 2, 30, 5)]
+    scales = (torch.tensor(14.0), torch.tensor([10.0, 20.0]))
+    results = {}
+    for algorithm in ("compiled", "torch"):
+        leaves = [t.float().to(device).requires_grad_() for t in inputs]
+        calls = _BackwardCalls()
+        with calls:
+            row_lse, pos_logit, *_ = distill_lse(*leaves, *(s.to(device) for s in scales), algorithm=algorithm,
+                                                 workspace_bytes=1)
+            (row_lse.mean() - pos_logit.mean()).backward()
+        results[algorithm] = [leaf.grad for leaf in leaves], calls.grads
+    (compiled, calls), (torch_path, _) = results["compiled"], results["torch"]
+    assert len(calls) == 1 and calls[0][0] is not None and calls[0][1] is not None
+    assert all(g is None for g in calls[0][2:]), [type(g) for g in calls[0]]
+    for got, want in zip(compiled[:2], torch_path[:2]):
+        assert _rel(got, want) <= 1e-5
+    for grads in (compiled, torch_path):  # the teachers' gradients are zero
+        assert all(g is None or not g.any() for g in grads[2:])

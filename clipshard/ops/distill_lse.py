@@ -54,11 +54,16 @@ if _algorithm.has_schema("clipshard::distill_lse"):
         ctx.save_for_backward(rows, cols, teacher_rows, teacher_cols, scale, teacher_scale, row_lse, teacher_row_lse,
                               row_cross, col_lse, teacher_col_lse, col_cross)
         ctx.pos_offset, ctx.want_columns, ctx.workspace = pos_offset, want_columns, workspace
+        # an output left out of the loss hands back None, not zeros: the kernels skip its terms (and
+        # without a teacher term, the teachers' GEMMs)
+        ctx.set_materialize_grads(False)
 
     def _backward(ctx, *grads):
         saved = ctx.saved_tensors
         if not ctx.want_columns:
             grads = grads[:4] + (None, None, None)
+        if all(g is None for g in grads):
+            return (None,) * 9
         needs = ctx.needs_input_grad
         teacher_grad = any(needs[2:4]) or needs[5]
         result = torch.ops.clipshard.distill_lse_backward(*grads, *saved[:6], ctx.pos_offset, *saved[6:],
