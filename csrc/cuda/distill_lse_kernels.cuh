@@ -3,10 +3,10 @@
 // student's rows @ cols[begin : begin + width]^T and each teacher's likewise; these kernels read each
 // chunk once. Torch-free: plain pointers and sizes (tests/cuda_emulation runs them on the host).
 //
-// Geometry (that of contrastive_lse_chunked_kernels.cuh): a CTA of kThreads threads owns a block
-// of consecutive rows (blockIdx.y) and the column steps blockIdx.x, blockIdx.x + gridDim.x, ... of
-// kThreads columns each; a thread owns one column of each step, so every warp load reads 128
-// consecutive bytes.
+// Geometry (that of contrastive_lse_chunked_kernels.cuh): a CTA of kThreads threads owns the row
+// blocks blockIdx.y, blockIdx.y + gridDim.y, ... (one unless M needs more than 65535) and the
+// column steps blockIdx.x, blockIdx.x + gridDim.x, ... of kThreads columns each; a thread owns one
+// column of each step, so every warp load reads 128 consecutive bytes.
 #pragma once
 
 #include <cstdint>
