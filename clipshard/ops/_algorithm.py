@@ -8,8 +8,8 @@ when the tensors' device type has one AND the extension registered it with torch
 (a CUDA machine whose extension was built CPU-only, or a ROCm build, which torch reports as
 "cuda" but for which setup.py compiles no GPU kernels, has none), and "torch" everywhere else
 (ROCm, XPU, MPS, any future device), saying so once per device type with a warning. The compiled
-CUDA kernels take fp32, fp16 and bf16 only: fp64 tensors on CUDA (torch.autograd.gradcheck) run
-"torch" too, with a warning once.
+CUDA kernels take fp32, fp16 and bf16 only: when any input is fp64 on CUDA (torch.autograd.gradcheck,
+or distill_lse's fp64 teachers beside a 16-bit student) the op runs "torch" too, with a warning once.
 
 The environment variable CLIPSHARD_ALGORITHM=torch makes every "auto" pick "torch", so that a
 user can fall back from a compiled kernel inside a trainer whose code they do not control. An
@@ -68,28 +68,31 @@ def check_algorithm(fn, algorithm, names):
         raise ValueError(f"{fn}: algorithm must be one of {', '.join(map(repr, names))}, got {algorithm!r}")
 
 
-def resolve(op, algorithm, device, names, dtype=None):
+def resolve(op, algorithm, device, names, *dtypes):
     """The algorithm that runs op ("contrastive_lse", "siglip_sum" or "distill_lse") on `device` for inputs of
-    `dtype` when asked for `algorithm` (one of `names`); "auto" follows the module docstring's rule."""
+    `dtypes` (every input's dtype: the compiled kernel must take each) when asked for `algorithm` (one of
+    `names`); "auto" follows the module docstring's rule."""
     check_algorithm(op, algorithm, names)
     if algorithm == "compiled" and not has_compiled_kernel(_COMPILED[op][0], torch.device(device).type):
         raise RuntimeError(f"{op}: algorithm='compiled' needs the extension's {op} kernel for "
                            f"{torch.device(device).type!r} tensors, and this build has none; use 'auto' or 'torch'")
     if algorithm != "auto":
         return algorithm
-    return _auto(op, torch.device(device).type, dtype)
+    return _auto(op, torch.device(device).type, dtypes)
 
 
-def explain_auto(op, device_type, dtype=None):
-    """(algorithm, reason, warning key or None): what "auto" picks for op on `device_type` tensors of
-    `dtype` (None: any dtype the kernels take) and why; a key when the pick deserves a warning."""
+def explain_auto(op, device_type, *dtypes):
+    """(algorithm, reason, warning key or None): what "auto" picks for op on `device_type` inputs of
+    `dtypes` (none given: any dtype the kernels take) and why; a key when the pick deserves a warning."""
     if _forced():
         return "torch", f"{ENV_VAR}=torch is set", None
     operator, compiled = _COMPILED[op]
     if device_type not in compiled or not has_compiled_kernel(operator, device_type):
         return "torch", f"no compiled clipshard kernel is registered for {device_type!r} tensors", device_type
     supported = _COMPILED_DTYPES.get(device_type)
-    if dtype is not None and supported is not None and dtype not in supported:
+    refused = [d for d in dtypes if supported is not None and d not in supported]
+    if refused:
+        dtype = refused[0]
         names = ", ".join(str(d).removeprefix("torch.") for d in supported)
         return ("torch", f"the compiled {device_type!r} kernels take {names}, not {str(dtype).removeprefix('torch.')}",
                 (device_type, dtype))
@@ -99,8 +102,8 @@ def explain_auto(op, device_type, dtype=None):
 # torch.compile evaluates this once while tracing: the dispatcher query cannot be traced, and the
 # choice (and its warning) belongs to the trace, not to the compiled graph.
 @torch.compiler.assume_constant_result
-def _auto(op, device_type, dtype):
-    algorithm, reason, warning_key = explain_auto(op, device_type, dtype)
+def _auto(op, device_type, dtypes):
+    algorithm, reason, warning_key = explain_auto(op, device_type, *dtypes)
     if warning_key is not None:
         _warn_once(warning_key, reason)
     return algorithm

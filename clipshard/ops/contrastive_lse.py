@@ -44,6 +44,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(rows, cols, scale, bias, row_lse, col_lse if want_col_lse else None)
     ctx.pos_offset = pos_offset
     ctx.want_col_lse = want_col_lse
+    ctx.set_materialize_grads(False)  # an unused col_lse hands back None, not zeros: its term is skipped
     ctx.algorithm = algorithm
     ctx.workspace_bytes = workspace_bytes
 

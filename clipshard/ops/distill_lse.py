@@ -9,12 +9,13 @@ rows, without materialising S or any T^k.
 
 Two algorithms: "compiled" (the extension's CPU kernel and CUDA chunked kernel, when this build
 has them) and "torch" (clipshard/ops/portable_distill.py, on every device). "auto" picks
-"compiled" where the dispatcher has a kernel for the device, else "torch" (clipshard/ops/_algorithm.py).
+"compiled" where the dispatcher has a kernel for the device that takes the student's and the
+teachers' dtypes (on CUDA: no fp64 on either side), else "torch" (clipshard/ops/_algorithm.py).
 """
 import torch
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
-from clipshard.ops import _algorithm, first_use
+from clipshard.ops import first_use
 from clipshard.ops.inputs import SUPPORTED_DTYPES, accumulate_dtype, check_block_features, check_flags, \
     check_logit_scalar
 from clipshard.ops._workspace import workspace_bytes as _workspace_bytes
@@ -54,12 +55,17 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(rows, cols, teacher_rows, teacher_cols, scale, teacher_scale, row_lse, teacher_row_lse,
                           row_cross, col_lse, teacher_col_lse, col_cross)
     ctx.pos_offset, ctx.want_columns, ctx.workspace = pos_offset, want_columns, workspace
+    # an output left out of the loss hands back None, not zeros: the kernels skip its terms (and
+    # without a teacher term, the teachers' GEMMs)
+    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, *grads):
     saved = ctx.saved_tensors
     if not ctx.want_columns:
         grads = grads[:4] + (None, None, None)
+    if all(g is None for g in grads):
+        return (None,) * 9
     needs = ctx.needs_input_grad
     teacher_grad = any(needs[2:4]) or needs[5]
     result = torch.ops.clipshard.distill_lse_backward(*grads, *saved[:6], ctx.pos_offset, *saved[6:],

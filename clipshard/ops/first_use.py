@@ -236,9 +236,9 @@ _lock = threading.Lock()
 
 
 def resolve(op, algorithm, device, names, *dtypes):
-    """_algorithm.resolve for op's inputs of `dtypes` (the first decides the pick), then, when "auto"
+    """_algorithm.resolve for op's inputs of `dtypes` (the compiled kernel must take each), then, when "auto"
     picked a compiled kernel, "torch" instead if that kernel failed its first-use check here."""
-    picked = _algorithm.resolve(op, algorithm, device, names, dtypes[0])
+    picked = _algorithm.resolve(op, algorithm, device, names, *dtypes)
     if algorithm != "auto" or picked == "torch":
         return picked
     return picked if _agrees(op, picked, device, dtypes) else "torch"

@@ -123,6 +123,19 @@ def _max_abs(tensors, like):
     return total
 
 
+def _max_of_sums(tensors, like):
+    """max over positions of the sum of |g| over the given (non-None, non-empty) tensors, a T x n one
+    contributing sum_k |g_k| at each of its n positions: the largest weight the terms give one row's
+    (or one column's) logits, softmaxes being <= 1."""
+    total = None
+    for g in tensors:
+        if g is not None and g.numel():
+            g = g.abs().to(like.dtype)
+            g = g.sum(0) if g.dim() == 2 else g
+            total = g if total is None else total + g
+    return torch.zeros((), dtype=like.dtype, device=like.device) if total is None else total.max()
+
+
 def _backward(grads, rows, cols, teacher_rows, teacher_cols, scale, teacher_scale, pos_offset, stats, budget,
               needs):
     """Gradients (rows, cols, teacher_rows, teacher_cols, scale, teacher_scale), None where not in
@@ -140,8 +153,10 @@ def _backward(grads, rows, cols, teacher_rows, teacher_cols, scale, teacher_scal
     device = rows.device
     s_scale, t_scale = scale.to(acc), teacher_scale.to(acc)
     zero = torch.zeros((), dtype=acc, device=device)
-    # fp16 gradient GEMMs: dS is bounded by the sum of its terms' largest weights (softmaxes <= 1)
-    prescale = _prescale_or_none(chunks, _max_abs((g_row, g_pos, g_rcross, g_col, g_ccross), zero))
+    # fp16 gradient GEMMs: dS_ij is bounded by row i's weights (|g_row| + sum_k |g_row_cross^k|), plus the
+    # positive's and column j's (softmaxes <= 1): the bound of the CUDA path (distill_lse.cu)
+    ds_bound = _max_of_sums((g_row, g_rcross), zero) + _max_abs((g_pos,), zero) + _max_of_sums((g_col, g_ccross), zero)
+    prescale = _prescale_or_none(chunks, ds_bound)
     student_gemms = GradientGemms(chunks, s_scale, rows.dtype, prescale, want_rows, want_cols)
     teacher_gemms = []
     if want_trows or want_tcols:

@@ -91,7 +91,9 @@ __device__ __forceinline__ void load4(const void* base, int64_t e, int64_t numel
 // The random word of each lane of a group whose lane 0 has global index `first` (>= -3: lanes
 // before the tensor are never stored, and neither are their words). Lane l's word is word
 // (first + l) % 4 of Philox block (first + l) / 4: one block when first is a multiple of 4, else
-// two.
+// two. The 8 words of the two blocks are shifted left by `shift` in two conditional steps (1, then
+// 2) whose indices are all compile-time constants: an index known only at run time would put the
+// words in a local-memory stack frame.
 __device__ __forceinline__ void lane_words(uint64_t seed, uint64_t offset, uint64_t stream, int64_t first,
                                            uint32_t out[4]) {
   const int64_t shift = first & 3;  // lane 0's word in its block (two's complement: also for first < 0)
@@ -99,11 +101,12 @@ __device__ __forceinline__ void lane_words(uint64_t seed, uint64_t offset, uint6
   PhiloxWords low = {{0u, 0u, 0u, 0u}}, high = {{0u, 0u, 0u, 0u}};
   if (block >= 0) low = philox_block(seed, offset, stream_block(stream, static_cast<uint64_t>(block) * 4));
   if (shift != 0) high = philox_block(seed, offset, stream_block(stream, static_cast<uint64_t>(block + 1) * 4));
+  uint32_t w[7] = {low.w[0], low.w[1], low.w[2], low.w[3], high.w[0], high.w[1], high.w[2]};
+  const bool by_one = (shift & 1) != 0, by_two = (shift & 2) != 0;
 #pragma unroll
-  for (int l = 0; l < 4; ++l) {
-    const int64_t k = shift + l;
-    out[l] = k < 4 ? low.w[k] : high.w[k - 4];
-  }
+  for (int k = 0; k < 6; ++k) w[k] = by_one ? w[k + 1] : w[k];
+#pragma unroll
+  for (int l = 0; l < 4; ++l) out[l] = by_two ? w[l + 2] : w[l];
 }
 
 // global: the global index of local element e (the group's lane 0).

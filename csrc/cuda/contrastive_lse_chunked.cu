@@ -7,11 +7,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <limits>
 
 #include "../chunked/chunk_driver.h"
+#include "../env_vars.h"
 #include "contrastive_lse_chunked_kernels.cuh"
 #include "dispatch_features.h"
 #include "fp16_prescale.h"
@@ -36,18 +35,13 @@ constexpr int kDefaultForwardRows = k::kForwardRowsWide;
 constexpr int64_t kMaxRowBlocks = 65535;
 
 // kDefaultForwardRows, unless CLIPSHARD_CHUNKED_FORWARD_ROWS is "16" or "32" (a benchmark knob,
-// read at every call so that one process can time both variants). Past the 16-row variant's
-// 65535 * 16 rows the 32-row variant runs, so that the forward takes every M the backward takes
-// (65535 * kRowsPerCta = 2,097,120 rows).
+// read through env_vars.h at every call so that one process can time both variants). Past the
+// 16-row variant's 65535 * 16 rows the 32-row variant runs, so that the forward takes every M the
+// backward takes (65535 * kRowsPerCta = 2,097,120 rows).
 int forward_rows_per_cta(int64_t M) {
   static_assert(k::kForwardRowsWide == k::kRowsPerCta, "forward and backward row limits agree");
-  const char* env = std::getenv("CLIPSHARD_CHUNKED_FORWARD_ROWS");
-  int rows = kDefaultForwardRows;
-  if (env != nullptr && *env != '\0') {
-    TORCH_CHECK(std::strcmp(env, "16") == 0 || std::strcmp(env, "32") == 0,
-                "contrastive_lse_forward: CLIPSHARD_CHUNKED_FORWARD_ROWS must be 16 or 32, got \"", env, "\"");
-    rows = std::strcmp(env, "16") == 0 ? k::kForwardRowsNarrow : k::kForwardRowsWide;
-  }
+  const auto choice = env::choice("CLIPSHARD_CHUNKED_FORWARD_ROWS", {"16", "32"});
+  const int rows = !choice ? kDefaultForwardRows : *choice == 0 ? k::kForwardRowsNarrow : k::kForwardRowsWide;
   return M > kMaxRowBlocks * rows ? k::kForwardRowsWide : rows;
 }
 

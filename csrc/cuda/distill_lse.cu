@@ -29,12 +29,10 @@ namespace k = distill_cuda;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Row blocks of rows_per_cta rows: the grid's y dimension.
-unsigned row_blocks(const char* op, int64_t M, int rows_per_cta) {
-  const int64_t n = ceil_div(M, rows_per_cta);
-  TORCH_CHECK(n <= 65535, op, ": too many rows (", M, ") for the chunked kernels' grid (at most ",
-              65535 * int64_t(rows_per_cta), ")");
-  return static_cast<unsigned>(n);
+// The grid's y dimension for blocks of rows_per_cta rows: one CTA row per block up to 65535, then
+// each CTA takes every gridDim.y-th block (the kernels loop), so that M has no limit.
+unsigned grid_rows(int64_t M, int rows_per_cta) {
+  return static_cast<unsigned>(std::min(k::row_blocks_of(M, rows_per_cta), k::kMaxGridRows));
 }
 
 // Column splits: about three CTAs per SM, each with as many column steps as possible.
@@ -80,16 +78,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> distill_lse_c
   const int64_t M = rows.size(0), K = cols.size(0), T = teacher_rows.size(0);
   const auto f32 = rows.options().dtype(at::kFloat);
   const Tensor scale_f = scale.to(at::kFloat).reshape({}), teacher_scale_f = teacher_scale.to(at::kFloat).contiguous();
-  // Workspace per logit: the student's and the teachers' fp32 chunks, plus the partial states.
+  // Workspace per logit: the student's and the teachers' fp32 chunks, plus the partial column
+  // states of one launch (the student's and two teachers': (2 + 2 x 3) floats per 16 rows).
   const int64_t kc = chunked::chunk_columns(M, K, 4 * (1 + T) + 2, workspace_bytes);
-  const unsigned gy = row_blocks(op, M, k::kForwardRows);
+  const int64_t n_blocks = k::row_blocks_of(M, k::kForwardRows);
+  const unsigned gy = grid_rows(M, k::kForwardRows);
   const unsigned gx_max = column_splits(kc, gy);
+  const int64_t pair = std::min<int64_t>(T, k::kMaxLaunchTeachers);
   const Tensor student_dots = at::empty({M * kc}, f32), teacher_dots = at::empty({T, M * kc}, f32);
   Tensor running = empty_states(M, 2, f32), teacher_running = empty_states(T * M, 3, f32);
   const Tensor row_partial = at::empty({int64_t(gx_max) * M * 2}, f32);
-  const Tensor teacher_row_partial = at::empty({int64_t(gx_max) * M * 3}, f32);
-  const Tensor col_partial = want_columns ? at::empty({int64_t(gy) * kc * 2}, f32) : Tensor();
-  const Tensor teacher_col_partial = want_columns ? at::empty({int64_t(gy) * kc * 3}, f32) : Tensor();
+  const Tensor teacher_row_partial = at::empty({pair * gx_max * M * 3}, f32);
+  const Tensor col_partial = want_columns ? at::empty({n_blocks * kc * 2}, f32) : Tensor();
+  const Tensor teacher_col_partial = want_columns ? at::empty({pair * n_blocks * kc * 3}, f32) : Tensor();
   const int64_t Kc = want_columns ? K : 0;
   Tensor row_lse = at::empty({M}, f32), pos_logit = at::empty({M}, f32);
   Tensor teacher_row_lse = at::empty({T, M}, f32), row_cross = at::empty({T, M}, f32);
@@ -99,23 +100,30 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> distill_lse_c
     const int64_t width = std::min(kc, K - begin);
     const bool last = begin + width == K;
     const unsigned gx = column_splits(width, gy);
+    const unsigned row_grid = static_cast<unsigned>(ceil_div(M, k::kThreads));
+    const unsigned col_grid = static_cast<unsigned>(ceil_div(width, k::kThreads));
     Tensor s = chunked::workspace_view(student_dots, M, width);
     chunked::mm_into(s, rows, cols.narrow(0, begin, width).t());
-    for (int64_t t = 0; t < T; ++t) {
-      Tensor d = chunked::workspace_view(teacher_dots[t], M, width);
-      chunked::mm_into(d, teacher_rows[t], teacher_cols[t].narrow(0, begin, width).t());
-      const bool student = t == 0;  // teacher 0's launch also folds the student's own statistics
-      const k::ForwardParams p{s.const_data_ptr<float>(), d.const_data_ptr<float>(), M, width, begin,
-                               scale_f.const_data_ptr<float>(), teacher_scale_f.const_data_ptr<float>() + t,
+    // Teachers two per launch, so that the student's chunk is read ceil(T / 2) times.
+    for (int64_t t0 = 0; t0 < T; t0 += k::kMaxLaunchTeachers) {
+      const int64_t n = std::min<int64_t>(k::kMaxLaunchTeachers, T - t0);
+      for (int64_t t = t0; t < t0 + n; ++t) {
+        Tensor d = chunked::workspace_view(teacher_dots[t], M, width);
+        chunked::mm_into(d, teacher_rows[t], teacher_cols[t].narrow(0, begin, width).t());
+      }
+      const bool student = t0 == 0;  // the first launch also folds the student's own statistics
+      const k::ForwardParams p{s.const_data_ptr<float>(), teacher_dots[t0].const_data_ptr<float>(), M * kc, M, width,
+                               begin, scale_f.const_data_ptr<float>(), teacher_scale_f.const_data_ptr<float>() + t0,
                                pos_offset, student ? as_states<k::Lse>(row_partial) : nullptr,
                                as_states<k::Stat>(teacher_row_partial),
                                student && want_columns ? as_states<k::Lse>(col_partial) : nullptr,
                                want_columns ? as_states<k::Stat>(teacher_col_partial) : nullptr,
                                pos_logit.mutable_data_ptr<float>()};
-      k::distill_forward_kernel<<<dim3(gx, gy), k::kThreads, 0, stream>>>(p);
+      if (n == 2)
+        k::distill_forward_kernel<2><<<dim3(gx, gy), k::kThreads, 0, stream>>>(p);
+      else
+        k::distill_forward_kernel<1><<<dim3(gx, gy), k::kThreads, 0, stream>>>(p);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      const unsigned row_grid = static_cast<unsigned>(ceil_div(M, k::kThreads));
-      const unsigned col_grid = static_cast<unsigned>(ceil_div(width, k::kThreads));
       if (student) {
         chunked_cuda::merge_row_partials_kernel<<<row_grid, k::kThreads, 0, stream>>>(
             as_states<k::Lse>(running), as_states<k::Lse>(row_partial), M, static_cast<int>(gx),
@@ -123,20 +131,24 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> distill_lse_c
         C10_CUDA_KERNEL_LAUNCH_CHECK();
         if (want_columns) {
           chunked_cuda::merge_col_partials_kernel<<<col_grid, k::kThreads, 0, stream>>>(
-              as_states<k::Lse>(col_partial), width, static_cast<int>(gy), begin, col_lse.mutable_data_ptr<float>());
+              as_states<k::Lse>(col_partial), width, static_cast<int>(n_blocks), begin,
+              col_lse.mutable_data_ptr<float>());
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
       }
-      k::merge_teacher_row_partials_kernel<<<row_grid, k::kThreads, 0, stream>>>(
-          as_states<k::Stat>(teacher_running) + t * M, as_states<k::Stat>(teacher_row_partial), M,
-          static_cast<int>(gx), last ? teacher_row_lse[t].mutable_data_ptr<float>() : nullptr,
-          last ? row_cross[t].mutable_data_ptr<float>() : nullptr);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      if (want_columns) {
-        k::merge_teacher_col_partials_kernel<<<col_grid, k::kThreads, 0, stream>>>(
-            as_states<k::Stat>(teacher_col_partial), width, static_cast<int>(gy), begin,
-            teacher_col_lse[t].mutable_data_ptr<float>(), col_cross[t].mutable_data_ptr<float>());
+      for (int64_t q = 0; q < n; ++q) {
+        const int64_t t = t0 + q;
+        k::merge_teacher_row_partials_kernel<<<row_grid, k::kThreads, 0, stream>>>(
+            as_states<k::Stat>(teacher_running) + t * M, as_states<k::Stat>(teacher_row_partial) + q * gx * M, M,
+            static_cast<int>(gx), last ? teacher_row_lse[t].mutable_data_ptr<float>() : nullptr,
+            last ? row_cross[t].mutable_data_ptr<float>() : nullptr);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
+        if (want_columns) {
+          k::merge_teacher_col_partials_kernel<<<col_grid, k::kThreads, 0, stream>>>(
+              as_states<k::Stat>(teacher_col_partial) + q * n_blocks * width, width, static_cast<int>(n_blocks),
+              begin, teacher_col_lse[t].mutable_data_ptr<float>(), col_cross[t].mutable_data_ptr<float>());
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
       }
     }
   }
@@ -226,7 +238,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> distill_lse_backward_
   }
   auto unscale = [&](int64_t which) { return prescale.defined() ? prescale[which][1] : Tensor(); };
 
-  const unsigned gy = row_blocks(op, M, k::kGradRows);
+  const unsigned gy = grid_rows(M, k::kGradRows);
   const Tensor student_dots = at::empty({M * kc}, f32), teacher_dots = at::empty({n_teachers, M * kc}, f32);
   chunked::GradientAccumulator student(rows, cols, kc, s_dtype, unscale(0), at::kFloat);
   std::vector<chunked::GradientAccumulator> teachers;

@@ -3,10 +3,10 @@
 // student's rows @ cols[begin : begin + width]^T and each teacher's likewise; these kernels read each
 // chunk once. Torch-free: plain pointers and sizes (tests/cuda_emulation runs them on the host).
 //
-// Geometry (that of contrastive_lse_chunked_kernels.cuh): a CTA of kThreads threads owns a block
-// of consecutive rows (blockIdx.y) and the column steps blockIdx.x, blockIdx.x + gridDim.x, ... of
-// kThreads columns each; a thread owns one column of each step, so every warp load reads 128
-// consecutive bytes.
+// Geometry (that of contrastive_lse_chunked_kernels.cuh): a CTA of kThreads threads owns the row
+// blocks blockIdx.y, blockIdx.y + gridDim.y, ... (one unless M needs more than 65535) and the
+// column steps blockIdx.x, blockIdx.x + gridDim.x, ... of kThreads columns each; a thread owns one
+// column of each step, so every warp load reads 128 consecutive bytes.
 #pragma once
 
 #include <cstdint>
@@ -30,30 +30,41 @@ using chunked_cuda::kWarps;
 using chunked_cuda::Lse;
 using Stat = OnlineSoftmaxMean<float>;
 
-// Rows per CTA of the forward kernel: 16 rows x (2 + 3) floats of row state per thread.
+// Rows per CTA of the forward kernel: 16 rows x (2 + 3 kTeachers) floats of row state per thread.
 constexpr int kForwardRows = 16;
-// Rows per CTA of the gradient kernel (no per-row state: any number that amortises the CTA).
+// Rows per CTA of the gradient kernel: 2 x 32 floats per thread (the rows' s and dS of a column).
 constexpr int kGradRows = 32;
+// Teachers folded by one forward launch at most: each launch reads the student's chunk once, so
+// T teachers cost ceil(T / 2) reads of it instead of T.
+constexpr int kMaxLaunchTeachers = 2;
+// The grid's y dimension is at most 65535: past that many row blocks a CTA takes every
+// gridDim.y-th one, so neither kernel limits M.
+constexpr int64_t kMaxGridRows = 65535;
 
-// One launch folds one teacher's chunk and, when student_row_partial is set (the launch of teacher
-// 0), the student's own statistics.
+// One launch folds kTeachers (1 or 2) teachers' chunks and, when student_row_partial is set (the
+// first launch), the student's own statistics.
 struct ForwardParams {
   const float* student;        // M x width dots
-  const float* teacher;        // M x width dots of this teacher
+  const float* teachers;       // this launch's teachers' M x width dots, teacher_stride apart
+  int64_t teacher_stride;
   int64_t M, width, begin;
   const float* scale;          // device scalar
-  const float* teacher_scale;  // device scalar of this teacher
+  const float* teacher_scale;  // device scalars of this launch's teachers (consecutive)
   int64_t pos_offset;          // row i's positive is global column pos_offset + i
   Lse* student_row_partial;    // [gridDim.x][M]: each column split's state of each row, or nullptr
-  Stat* teacher_row_partial;   // [gridDim.x][M]
-  Lse* student_col_partial;    // [gridDim.y][width]: each row block's state of each column, or nullptr
-  Stat* teacher_col_partial;   // [gridDim.y][width], or nullptr (no column statistics)
+  Stat* teacher_row_partial;   // per teacher [gridDim.x][M], gridDim.x * M apart
+  Lse* student_col_partial;    // [row blocks][width]: each row block's state of each column, or nullptr
+  Stat* teacher_col_partial;   // per teacher [row blocks][width], row blocks * width apart, or nullptr
   float* pos_logit;            // [M], written in the student's launch by the CTA holding the positive
 };
 
+CLIPSHARD_HOST_DEVICE int64_t row_blocks_of(int64_t M, int rows_per_cta) {
+  return (M + rows_per_cta - 1) / rows_per_cta;
+}
+
 // out[r] = the CTA's total of row r's states (r < rows): each warp's rows reduced across its lanes
 // (chunked_cuda::warp_reduce_rows), then warp 0 merges the warps in order. Every thread of the CTA
-// must call it.
+// must call it; scratch may be reused after the next __syncthreads.
 template <typename State>
 __device__ __forceinline__ void write_row_totals(State (&state)[kForwardRows], State* out, int rows,
                                                  State (*scratch)[kForwardRows]) {
@@ -69,51 +80,76 @@ __device__ __forceinline__ void write_row_totals(State (&state)[kForwardRows], S
   }
 }
 
-// Per CTA: the online row statistics of its rows over its columns, and the exact column
-// statistics of its columns over its rows. One exponential per logit and statistic.
+// Per CTA and row block: the online row statistics of its rows over its columns, and the exact
+// column statistics of its columns over its rows. One exponential per logit and statistic; each
+// student logit is read once per launch, for all of the launch's teachers.
+template <int kTeachers>
 __global__ void __launch_bounds__(kThreads) distill_forward_kernel(ForwardParams p) {
+  static_assert(kTeachers >= 1 && kTeachers <= kMaxLaunchTeachers, "1 or 2 teachers per launch");
   __shared__ Lse student_scratch[kWarps][kForwardRows];
-  __shared__ Stat teacher_scratch[kWarps][kForwardRows];
-  const int64_t i0 = static_cast<int64_t>(blockIdx.y) * kForwardRows;
-  const int rows = static_cast<int>(p.M - i0 < kForwardRows ? p.M - i0 : kForwardRows);
-  const float scale = *p.scale, teacher_scale = *p.teacher_scale;
+  __shared__ Stat teacher_scratch[kTeachers][kWarps][kForwardRows];
+  const int64_t n_blocks = row_blocks_of(p.M, kForwardRows);
+  const float scale = *p.scale;
+  float teacher_scale[kTeachers];
+#pragma unroll
+  for (int q = 0; q < kTeachers; ++q) teacher_scale[q] = p.teacher_scale[q];
   const bool with_student = p.student_row_partial != nullptr;  // uniform over the grid
-  Lse student_row[kForwardRows];
-  Stat teacher_row[kForwardRows];
-#pragma unroll
-  for (int r = 0; r < kForwardRows; ++r) {
-    student_row[r] = Lse::empty();
-    teacher_row[r] = Stat::empty();
-  }
 
-  for (int64_t j0 = static_cast<int64_t>(blockIdx.x) * kThreads; j0 < p.width;
-       j0 += static_cast<int64_t>(gridDim.x) * kThreads) {
-    const int64_t j = j0 + threadIdx.x;
-    if (j >= p.width) continue;
-    const float* s_column = p.student + i0 * p.width + j;
-    const float* t_column = p.teacher + i0 * p.width + j;
-    const int64_t pos_row = p.begin + j - p.pos_offset - i0;  // the row whose positive is column j
-    Lse student_col = Lse::empty();
-    Stat teacher_col = Stat::empty();
+  for (int64_t block = blockIdx.y; block < n_blocks; block += gridDim.y) {
+    const int64_t i0 = block * kForwardRows;
+    const int rows = static_cast<int>(p.M - i0 < kForwardRows ? p.M - i0 : kForwardRows);
+    Lse student_row[kForwardRows];
+    Stat teacher_row[kTeachers][kForwardRows];
 #pragma unroll
-    for (int r = 0; r < kForwardRows; ++r) {  // fully unrolled: the row states stay in registers
-      if (r < rows) {
-        const float s = scale * s_column[r * p.width];
-        const float t = teacher_scale * t_column[r * p.width];
-        teacher_row[r].add(t, s);
-        teacher_col.add(t, s);
-        if (with_student) {
-          student_row[r].add(s);
-          student_col.add(s);
-          if (pos_row == r) p.pos_logit[i0 + r] = s;
+    for (int r = 0; r < kForwardRows; ++r) {
+      student_row[r] = Lse::empty();
+#pragma unroll
+      for (int q = 0; q < kTeachers; ++q) teacher_row[q][r] = Stat::empty();
+    }
+
+    for (int64_t j0 = static_cast<int64_t>(blockIdx.x) * kThreads; j0 < p.width;
+         j0 += static_cast<int64_t>(gridDim.x) * kThreads) {
+      const int64_t j = j0 + threadIdx.x;
+      if (j >= p.width) continue;
+      const float* s_column = p.student + i0 * p.width + j;
+      const float* t_column = p.teachers + i0 * p.width + j;
+      const int64_t pos_row = p.begin + j - p.pos_offset - i0;  // the row whose positive is column j
+      Lse student_col = Lse::empty();
+      Stat teacher_col[kTeachers];
+#pragma unroll
+      for (int q = 0; q < kTeachers; ++q) teacher_col[q] = Stat::empty();
+#pragma unroll
+      for (int r = 0; r < kForwardRows; ++r) {  // fully unrolled: the row states stay in registers
+        if (r < rows) {
+          const float s = scale * s_column[r * p.width];
+#pragma unroll
+          for (int q = 0; q < kTeachers; ++q) {
+            const float t = teacher_scale[q] * t_column[q * p.teacher_stride + r * p.width];
+            teacher_row[q][r].add(t, s);
+            teacher_col[q].add(t, s);
+          }
+          if (with_student) {
+            student_row[r].add(s);
+            student_col.add(s);
+            if (pos_row == r) p.pos_logit[i0 + r] = s;
+          }
         }
       }
+      if (p.teacher_col_partial != nullptr) {
+#pragma unroll
+        for (int q = 0; q < kTeachers; ++q)
+          p.teacher_col_partial[(q * n_blocks + block) * p.width + j] = teacher_col[q];
+      }
+      if (p.student_col_partial != nullptr) p.student_col_partial[block * p.width + j] = student_col;
     }
-    if (p.teacher_col_partial != nullptr) p.teacher_col_partial[blockIdx.y * p.width + j] = teacher_col;
-    if (p.student_col_partial != nullptr) p.student_col_partial[blockIdx.y * p.width + j] = student_col;
+#pragma unroll
+    for (int q = 0; q < kTeachers; ++q)
+      write_row_totals(teacher_row[q], p.teacher_row_partial + (q * gridDim.x + blockIdx.x) * p.M + i0, rows,
+                       teacher_scratch[q]);
+    if (with_student)
+      write_row_totals(student_row, p.student_row_partial + blockIdx.x * p.M + i0, rows, student_scratch);
+    __syncthreads();  // the next row block writes the scratch again
   }
-  write_row_totals(teacher_row, p.teacher_row_partial + blockIdx.x * p.M + i0, rows, teacher_scratch);
-  if (with_student) write_row_totals(student_row, p.student_row_partial + blockIdx.x * p.M + i0, rows, student_scratch);
 }
 
 // running[i] merges the chunk's n_splits partial states of teacher row i, in split order; on the
@@ -166,40 +202,60 @@ struct GradParams {
 
 __device__ __forceinline__ float value_or_zero(const float* v, int64_t i) { return v != nullptr ? v[i] : 0.f; }
 
-// dS and every dT^k of the chunk, one element per thread and row: the student's own softmax terms
-// (softmax_dlogit) plus each teacher's (teacher_dlogits), the formulas of clipshard/online_distill.h.
+// dS and every dT^k of the chunk, one column per thread and its kGradRows rows at a time: the
+// student's own softmax terms (softmax_dlogit) plus each teacher's (teacher_dlogits), the formulas
+// of clipshard/online_distill.h. The rows' s and dS stay in registers while the teachers' terms are
+// added, so each student logit and each column's teacher statistics are read once per CTA (the
+// rows' statistics are the same for every thread: broadcast loads).
 template <typename TS, typename TT>
 __global__ void __launch_bounds__(kThreads) distill_grad_kernel(GradParams<TS, TT> p) {
-  const int64_t i0 = static_cast<int64_t>(blockIdx.y) * kGradRows;
-  const int rows = static_cast<int>(p.M - i0 < kGradRows ? p.M - i0 : kGradRows);
+  const int64_t n_blocks = row_blocks_of(p.M, kGradRows);
   const float scale = *p.scale;
   const float ds_prescale = p.prescale != nullptr ? p.prescale[0] : 1.f;
   const bool want_dt = p.dt != nullptr;
 
-  for (int64_t j0 = static_cast<int64_t>(blockIdx.x) * kThreads; j0 < p.width;
-       j0 += static_cast<int64_t>(gridDim.x) * kThreads) {
-    const int64_t j = j0 + threadIdx.x;
-    if (j >= p.width) continue;
-    const int64_t col = p.begin + j;
-    const float g_col = value_or_zero(p.g_col_lse, col), c_lse = value_or_zero(p.col_lse, col);
-    const int64_t pos_row = col - p.pos_offset - i0;
-    for (int r = 0; r < rows; ++r) {
-      const int64_t i = i0 + r, at = i * p.width + j;
-      const float s = scale * p.student[at];
-      const bool positive = pos_row == r;
-      float ds = softmax_dlogit(s, value_or_zero(p.g_row_lse, i), value_or_zero(p.row_lse, i), g_col, c_lse,
-                                positive ? value_or_zero(p.g_pos, i) : 0.f, positive);
+  for (int64_t block = blockIdx.y; block < n_blocks; block += gridDim.y) {
+    const int64_t i0 = block * kGradRows;
+    const int rows = static_cast<int>(p.M - i0 < kGradRows ? p.M - i0 : kGradRows);
+    for (int64_t j0 = static_cast<int64_t>(blockIdx.x) * kThreads; j0 < p.width;
+         j0 += static_cast<int64_t>(gridDim.x) * kThreads) {
+      const int64_t j = j0 + threadIdx.x;
+      if (j >= p.width) continue;
+      const int64_t col = p.begin + j;
+      const float g_col = value_or_zero(p.g_col_lse, col), c_lse = value_or_zero(p.col_lse, col);
+      const int64_t pos_row = col - p.pos_offset - i0;
+      float s[kGradRows], ds[kGradRows];
+#pragma unroll
+      for (int r = 0; r < kGradRows; ++r) {
+        if (r < rows) {
+          const int64_t i = i0 + r;
+          s[r] = scale * p.student[i * p.width + j];
+          const bool positive = pos_row == r;
+          ds[r] = softmax_dlogit(s[r], value_or_zero(p.g_row_lse, i), value_or_zero(p.row_lse, i), g_col, c_lse,
+                                 positive ? value_or_zero(p.g_pos, i) : 0.f, positive);
+        }
+      }
       for (int64_t k = 0; k < p.n_teachers; ++k) {
-        const int64_t ki = k * p.M + i, kj = k * p.K + col;
-        const float t = p.teacher_scale[k] * p.teachers[k * p.teacher_stride + at];
-        const TeacherSide<float> row_side{value_or_zero(p.teacher_row_lse, ki), value_or_zero(p.row_cross, ki),
-                                          value_or_zero(p.g_teacher_row_lse, ki), value_or_zero(p.g_row_cross, ki)};
+        const int64_t kj = k * p.K + col;
         const TeacherSide<float> col_side{value_or_zero(p.teacher_col_lse, kj), value_or_zero(p.col_cross, kj),
                                           value_or_zero(p.g_teacher_col_lse, kj), value_or_zero(p.g_col_cross, kj)};
-        const float dt = teacher_dlogits(s, t, row_side, col_side, want_dt, ds);
-        if (want_dt) p.dt[k * p.teacher_stride + at] = static_cast<TT>(dt * (p.prescale != nullptr ? p.prescale[2 * (1 + k)] : 1.f));
+        const float t_scale = p.teacher_scale[k];
+        const float dt_prescale = p.prescale != nullptr ? p.prescale[2 * (1 + k)] : 1.f;
+        const float* t_column = p.teachers + k * p.teacher_stride + j;
+#pragma unroll
+        for (int r = 0; r < kGradRows; ++r) {
+          if (r < rows) {
+            const int64_t ki = k * p.M + i0 + r, at = (i0 + r) * p.width;
+            const TeacherSide<float> row_side{value_or_zero(p.teacher_row_lse, ki), value_or_zero(p.row_cross, ki),
+                                              value_or_zero(p.g_teacher_row_lse, ki), value_or_zero(p.g_row_cross, ki)};
+            const float dt = teacher_dlogits(s[r], t_scale * t_column[at], row_side, col_side, want_dt, ds[r]);
+            if (want_dt) p.dt[k * p.teacher_stride + at + j] = static_cast<TT>(dt * dt_prescale);
+          }
+        }
       }
-      p.ds[at] = static_cast<TS>(ds * ds_prescale);
+#pragma unroll
+      for (int r = 0; r < kGradRows; ++r)
+        if (r < rows) p.ds[(i0 + r) * p.width + j] = static_cast<TS>(ds[r] * ds_prescale);
     }
   }
 }

@@ -5,8 +5,9 @@
 // Usage: emulate_adamw DIR. DIR/cases.txt:
 //   <cases>, then per case: <shape: 0 the real LaunchShape, 1 SmallShape> <param storage> <state
 //   storage> (0 fp32, 1 fp16, 2 bf16) <stochastic> <seed> <offset> <lr> <beta1> <beta2> <eps>
-//   <weight_decay> <maximize> <tensors>, then per tensor: <numel> <index_base> <stream> <step> <misalign>
-//   (misalign: the tensor's four buffers start that many elements after a 64-byte boundary).
+//   <weight_decay> <maximize> <tensors>, then per tensor: <numel> <index_base> <stream> <step> and four
+//   misaligns: its param, grad, exp_avg and exp_avg_sq start that many elements after a 64-byte
+//   boundary (FSDP2 shards can put each at its own alignment).
 // DIR/inputs.bin: per case and tensor its param, grad, exp_avg and exp_avg_sq, raw. Writes the same
 // after one step to DIR/outputs.bin, and prints per case its launches and vector accesses.
 #include "emulate_cuda.h"
@@ -101,10 +102,14 @@ int main(int argc, char** argv) {
     for (int t = 0; t < n; ++t) {
       long long numel, base, step;
       unsigned stream;
-      int misalign;
-      if (std::fscanf(cases, "%lld %lld %u %lld %d", &numel, &base, &stream, &step, &misalign) != 5) return 2;
-      for (size_t bytes : {pb, pb, sb, sb}) {
-        buffers.emplace_back(numel * bytes, misalign * bytes);
+      int misalign[4];
+      if (std::fscanf(cases, "%lld %lld %u %lld %d %d %d %d", &numel, &base, &stream, &step, &misalign[0],
+                      &misalign[1], &misalign[2], &misalign[3]) != 8)
+        return 2;
+      const size_t element_bytes[4] = {pb, pb, sb, sb};
+      for (int role = 0; role < 4; ++role) {
+        const size_t bytes = element_bytes[role];
+        buffers.emplace_back(numel * bytes, misalign[role] * bytes);
         if (std::fread(buffers.back().data, 1, numel * bytes, in) != numel * bytes) return 2;
       }
       a.params.push_back(buffers[4 * t].data);

@@ -33,15 +33,23 @@ struct alignas(16) uint4 {
 inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return {x, y, z, w}; }
 
 // 16- and 8-byte vector types. Every copy through one (a vector load or store of a kernel) is
-// counted in g_vector_accesses, so that a harness can tell which path a kernel took.
+// counted in g_vector_accesses, so that a harness can tell which path a kernel took, and stops the
+// harness when either end is not aligned to the type's size (a GPU faults: misaligned address).
 inline long long g_vector_accesses = 0;
+inline void vector_access(const void* a, const void* b, uintptr_t bytes) {
+  if ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b)) % bytes != 0) {
+    std::fprintf(stderr, "emulate_cuda: misaligned %u-byte vector access (%p <- %p)\n", unsigned(bytes), a, b);
+    std::abort();
+  }
+  ++g_vector_accesses;
+}
 struct alignas(16) float4 {
   float x, y, z, w;
   float4(float a, float b, float c, float d) : x(a), y(b), z(c), w(d) {}
-  float4(const float4& o) : x(o.x), y(o.y), z(o.z), w(o.w) { ++g_vector_accesses; }
+  float4(const float4& o) : x(o.x), y(o.y), z(o.z), w(o.w) { vector_access(this, &o, 16); }
   float4& operator=(const float4& o) {
     x = o.x, y = o.y, z = o.z, w = o.w;
-    ++g_vector_accesses;
+    vector_access(this, &o, 16);
     return *this;
   }
 };
@@ -49,10 +57,10 @@ inline float4 make_float4(float x, float y, float z, float w) { return float4(x,
 struct alignas(8) uint2 {
   uint32_t x, y;
   uint2(uint32_t a, uint32_t b) : x(a), y(b) {}
-  uint2(const uint2& o) : x(o.x), y(o.y) { ++g_vector_accesses; }
+  uint2(const uint2& o) : x(o.x), y(o.y) { vector_access(this, &o, 8); }
   uint2& operator=(const uint2& o) {
     x = o.x, y = o.y;
-    ++g_vector_accesses;
+    vector_access(this, &o, 8);
     return *this;
   }
 };

@@ -206,3 +206,67 @@ def test_auto_picks_the_compiled_kernel_only_where_registered():
                 assert torch.equal(got, want)
         with pytest.raises(RuntimeError, match="algorithm='compiled' needs the extension's distill_lse kernel"):
             distill_lse(*args, algorithm="compiled")
+
+
+def test_fp16_prescale_bounds_the_sum_over_teachers(monkeypatch):
+    """The torch path's fp16 dS pre-scale on the 16-bit GEMM path GPUs take (its fp32-output GEMM
+    emulated exactly on the CPU) is bounded by each row's sum of row_cross gradients over the
+    teachers, as the CUDA path's is: five teachers that agree on a peaked softmax give each positive
+    dS ~ 5 g, which the bound of the largest single gradient (g) lifted past fp16's 65504 (inf)."""
+    monkeypatch.setattr(_portable_chunks, "_has_fp32_output_gemm", lambda device, dtype: True)
+    monkeypatch.setattr(_portable_chunks, "_mm_with_output_dtype", lambda a, b, dtype: torch.mm(a.to(dtype), b.to(dtype)))
+    gen = torch.Generator().manual_seed(31)
+    m, d, dt, n_teachers = 19, 8, 6, 5
+    inputs = [_unit(gen, m, d), _unit(gen, m, d), _unit(gen, 1, m, dt).expand(n_teachers, m, dt).contiguous(),
+              torch.tensor(10.0, dtype=torch.float64), torch.full((n_teachers,), 100.0, dtype=torch.float64)]
+    rows, cols, teacher, scale, teacher_scale = inputs
+    leaves = [rows.half().requires_grad_(), cols.half().requires_grad_()]
+    refs = [x.detach().double().requires_grad_() for x in leaves]
+    g = 2.0 ** -12  # a power of two: the pre-scale lifts g exactly to 2^14
+    row_cross = distill_lse(*leaves, teacher.half(), teacher.half(), scale.float(), teacher_scale.float(),
+                            algorithm="torch")[3]
+    (row_cross.sum() * g).backward()
+    (distill_lse_reference(*refs, teacher, teacher, scale, teacher_scale)[3].sum() * g).backward()
+    for leaf, ref in zip(leaves, refs):
+        assert torch.isfinite(leaf.grad).all()
+        assert _rel(leaf.grad, ref.grad) <= 5e-3
+
+
+class _BackwardCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the seven upstream gradients of every compiled distill_lse_backward call."""
+
+    def __init__(self):
+        super().__init__()
+        self.grads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._overloadpacket == torch.ops.clipshard.distill_lse_backward:
+            self.grads.append(args[:7])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_compiled_backward_gets_none_for_unused_outputs(device):
+    """The compiled op's autograd hands the kernel None, not zeros, for the outputs a loss leaves
+    out (as the torch path does), so a loss of the student's statistics alone runs no teacher term
+    and no teacher GEMM in any backward chunk (distill_args.h: needs_teacher); the gradients are
+    the torch path's."""
+    gen = torch.Generator().manual_seed(12)
+    inputs = [_unit(gen, 9, 6), _unit(gen, 30, 6), _unit(gen, 2, 9, 5), _unit(gen, 2, 30, 5)]
+    scales = (torch.tensor(14.0), torch.tensor([10.0, 20.0]))
+    results = {}
+    for algorithm in ("compiled", "torch"):
+        leaves = [t.float().to(device).requires_grad_() for t in inputs]
+        calls = _BackwardCalls()
+        with calls:
+            row_lse, pos_logit, *_ = distill_lse(*leaves, *(s.to(device) for s in scales), algorithm=algorithm,
+                                                 workspace_bytes=1)
+            (row_lse.mean() - pos_logit.mean()).backward()
+        results[algorithm] = [leaf.grad for leaf in leaves], calls.grads
+    (compiled, calls), (torch_path, _) = results["compiled"], results["torch"]
+    assert len(calls) == 1 and calls[0][0] is not None and calls[0][1] is not None
+    assert all(g is None for g in calls[0][2:]), [type(g) for g in calls[0]]
+    for got, want in zip(compiled[:2], torch_path[:2]):
+        assert _rel(got, want) <= 1e-5
+    for grads in (compiled, torch_path):  # the teachers' gradients are zero
+        assert all(g is None or not g.any() for g in grads[2:])

@@ -33,3 +33,31 @@ def test_explain_auto_gives_the_reason(cuda_kernels_registered, monkeypatch):
     assert _algorithm.explain_auto("siglip_sum", "xpu")[0] == "torch"
     monkeypatch.setenv(_algorithm.ENV_VAR, "torch")
     assert _algorithm.explain_auto("contrastive_lse", "cpu")[:2] == ("torch", "CLIPSHARD_ALGORITHM=torch is set")
+
+
+def test_auto_decides_distill_lse_on_every_input_dtype(cuda_kernels_registered, monkeypatch):
+    """distill_lse's "auto" looks at the teachers' dtype too: fp64 teachers beside a 16-bit or fp32
+    student (DistillClipLoss and the CPU kernel take them) run the torch path on CUDA, where the
+    compiled kernel would refuse them, instead of raising. The op's own call is observed with the
+    device taken for CUDA (its inputs stay on the CPU, where the torch path then runs)."""
+    from clipshard.ops import distill_lse as op
+    cuda, picks = torch.device("cuda"), []
+    resolve = _algorithm.resolve
+
+    def resolve_for_cuda(fn, algorithm, device, names, *dtypes):
+        picks.append(resolve(fn, algorithm, cuda, names, *dtypes))
+        return picks[-1]
+
+    monkeypatch.setattr(_algorithm, "resolve", resolve_for_cuda)
+    gen = torch.Generator().manual_seed(3)
+    rows, cols = torch.randn(5, 4, generator=gen).bfloat16(), torch.randn(9, 4, generator=gen).bfloat16()
+    teacher_rows, teacher_cols = torch.randn(2, 5, 3, generator=gen).double(), torch.randn(2, 9, 3, generator=gen).double()
+    with pytest.warns(UserWarning, match="compiled 'cuda' kernels take float32, float16, bfloat16, not float64"):
+        op.distill_lse(rows, cols, teacher_rows, teacher_cols, 2.0, torch.tensor([3.0, 4.0]))
+    assert picks == ["torch"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve("distill_lse", "auto", cuda, op.ALGORITHMS, torch.float64, torch.float32) == "torch"
+        assert resolve("distill_lse", "auto", cuda, op.ALGORITHMS, torch.bfloat16, torch.float16) == "compiled"
+        assert resolve("distill_lse", "auto", torch.device("cpu"), op.ALGORITHMS, torch.bfloat16,
+                       torch.float64) == "compiled"

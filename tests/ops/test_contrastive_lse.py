@@ -332,3 +332,36 @@ def test_clip_loss_bad_input():
 
 def test_public_exports():
     assert clipshard.clip_loss is clip_loss and clipshard.contrastive_lse is contrastive_lse
+
+
+class _ColumnGradients(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records the grad_col_lse argument of every compiled contrastive_lse_backward call."""
+
+    def __init__(self):
+        super().__init__()
+        self.grad_col_lse = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._overloadpacket == OPS.contrastive_lse_backward:
+            self.grad_col_lse.append(args[2])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_unused_col_lse_reaches_the_kernel_as_none(device):
+    """Issue 31's wider search (item 11's pattern): with want_col_lse=True and a loss of the row
+    statistics alone, autograd materialised zeros for col_lse's gradient, and the kernels formed
+    the column softmax term of every logit (an exponential each) to add nothing. It now hands the
+    kernel None; the gradients are unchanged."""
+    rows = features(40, 8, torch.float32, seed=26).to(device).requires_grad_()
+    cols = features(130, 8, torch.float32, seed=27).to(device).requires_grad_()
+    calls = _ColumnGradients()
+    with calls:
+        row_lse, pos_logit, _ = contrastive_lse(rows, cols, 14.3, pos_offset=30)
+        (row_lse.mean() - pos_logit.mean()).backward()
+    assert calls.grad_col_lse == [None]
+    ref_rows, ref_cols = rows.detach().double().requires_grad_(), cols.detach().double().requires_grad_()
+    ref = contrastive_lse_reference(ref_rows, ref_cols, torch.tensor(14.3, dtype=torch.float64), None, 30)
+    (ref[0].mean() - ref[1].mean()).backward()
+    assert_close(rows.grad, ref_rows.grad, 1e-5, "grad rows")
+    assert_close(cols.grad, ref_cols.grad, 1e-5, "grad cols")

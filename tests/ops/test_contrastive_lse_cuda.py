@@ -434,7 +434,7 @@ def test_both_chunked_forward_variants_match_fp64_reference(rows_per_cta, monkey
 def test_bad_forward_variant_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("CLIPSHARD_CHUNKED_FORWARD_ROWS", "8")
     rows, cols, scale_t, _ = make_inputs(5, 9, 8, torch.float32, 2.0, None)
-    with pytest.raises(RuntimeError, match="CLIPSHARD_CHUNKED_FORWARD_ROWS must be 16 or 32"):
+    with pytest.raises(ValueError, match="CLIPSHARD_CHUNKED_FORWARD_ROWS must be one of 16, 32 \\(or unset\\), got \"8\""):
         forward(rows, cols, scale_t, None, 2, True, "chunked")
 
 

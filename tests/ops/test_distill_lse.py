@@ -368,3 +368,37 @@ def test_cuda_bad_device_mix():
     a = make_inputs(6, 10, 4, 2, 5, torch.float64, device="cuda")
     with pytest.raises(RuntimeError, match="rows must be float32, float16 or bfloat16"):
         OPS.distill_lse(*a.values(), 0, True, BIG)
+
+
+@pytest.mark.cuda
+def test_cuda_three_teachers_of_another_dtype():
+    """Teachers two per forward launch: three teachers take a launch of two, then one; bf16
+    student beside fp16 teachers (each dlogits buffer with its own pre-scale), several chunks."""
+    m, k, t = 150, 1300, 3
+    inputs = make_inputs(m, k, 24, t, 40, torch.bfloat16, teacher_dtype=torch.float16, seed=16, device="cuda")
+    check(inputs, 900, True, upstream_gradients(m, k, t, realistic=True), workspace_bytes=1 << 20)
+
+
+@pytest.mark.cuda
+def test_cuda_takes_rows_past_the_grid():
+    """Issue 31 item 9: the forward refused M > 65535 * 16 = 1,048,560 rows (16-row CTAs) while the
+    backward took twice that and the CPU kernel any M. Both kernels now loop over the row blocks
+    past the grid's 65535: M = 65535 * 32 + 1 (past both old limits) runs; the last rows, in the
+    blocks past the grid, match the fp64 reference."""
+    m, d, dt = 65535 * 32 + 1, 8, 4
+    inputs = make_inputs(m, m, d, 1, dt, torch.bfloat16, seed=17, device="cuda")
+    args = [inputs[n] for n in ("rows", "cols", "teacher_rows", "teacher_cols", "scale", "teacher_scale")]
+    out = OPS.distill_lse(*args, 0, False, 256 << 20)
+    g_row = torch.full((m,), 0.5 / m, device="cuda")
+    back = OPS.distill_lse_backward(g_row, None, None, g_row[None], None, None, None, *args, 0, out[0], out[2], out[3],
+                                    out[4], out[5], out[6], False, 256 << 20)
+    assert torch.isfinite(back[0].float()).all() and torch.isfinite(back[1].float()).all()
+    tail = slice(m - 5, m)
+    rows = inputs["rows"][tail].double().requires_grad_()
+    want = reference(rows, inputs["cols"].double(), inputs["teacher_rows"][:, tail].double(),
+                     inputs["teacher_cols"].double(), inputs["scale"].double(), inputs["teacher_scale"].double(),
+                     m - 5, False)
+    for name, got, w in ((OUTPUTS[0], out[0][tail], want[0]), (OUTPUTS[3], out[3][:, tail], want[3])):
+        assert_close(got, w, 2e-6, name, scale=inputs["scale"].item())
+    ((want[0] + want[3][0]) * (0.5 / m)).sum().backward()
+    assert_close(back[0][tail], rows.grad, GRAD_TOL[torch.bfloat16], "grad rows")

@@ -3,6 +3,7 @@ extension (item 5): every known spelling honoured, anything else refused naming 
 apply_to_transformers' report says about subclasses that override forward and about torch.compile'd
 models (item 3) is tested in test_transformers_patch.py."""
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -55,3 +56,13 @@ def test_cpu_isa_variable_refuses_unknown_values():
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith("ValueError") and "CLIPSHARD_CPU_ISA must be one of avx512, avx2, baseline " \
                                                    "(or unset), got \"avx-2\"" in run.stdout, run.stdout
+
+
+def test_every_compiled_variable_is_read_through_the_one_parser():
+    """Issue 31 item 13: CLIPSHARD_CHUNKED_FORWARD_ROWS was still read with getenv and its own error
+    (a RuntimeError, case-sensitive). Every CLIPSHARD_* variable of csrc goes through env_vars.h's
+    helpers (one set of spellings, one ValueError naming the variable): no other file calls getenv."""
+    csrc = pathlib.Path(__file__).resolve().parents[1] / "csrc"
+    sources = [p for p in csrc.rglob("*") if p.suffix in (".h", ".cpp", ".cu", ".cuh")]
+    assert len(sources) > 20
+    assert [str(p.relative_to(csrc)) for p in sources if p.name != "env_vars.h" and "getenv" in p.read_text()] == []
