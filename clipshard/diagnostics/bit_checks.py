@@ -22,7 +22,7 @@ import torch
 
 from clipshard.ops.seeds import as_int64
 from clipshard.diagnostics.measurement import Measurement
-from clipshard.ops import _algorithm
+from clipshard.ops import has_compiled_kernel
 
 _CANONICAL_NAN_BITS = {torch.float32: 0x7FC00000, torch.float16: 0x7E00, torch.bfloat16: 0x7FC0}
 _FP16_INF_FROM = 65536.0  # the fp16 grid point after 65504: larger magnitudes always round to Inf
@@ -130,7 +130,7 @@ def _rounding_violations(x, got, dtype):
 
 
 def check_stochastic_round(device):
-    if not _algorithm.has_compiled_kernel("clipshard::stochastic_round", device.type):
+    if not has_compiled_kernel("clipshard::stochastic_round", device.type):
         return  # a build without this device's kernels (CPU-only, ROCm): nothing compiled to check
     x = rounding_input()
     for dtype in (torch.float16, torch.bfloat16):
@@ -228,7 +228,7 @@ def _update_violations(before, after):
 
 
 def check_adamw(device):
-    if not _algorithm.has_compiled_kernel("clipshard::adamw_step_", device.type):
+    if not has_compiled_kernel("clipshard::adamw_step_", device.type):
         return  # as for stochastic rounding
     for param_dtype in _STORAGE:
         for state_dtype in _STORAGE:

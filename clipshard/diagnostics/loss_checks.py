@@ -15,7 +15,7 @@ import torch
 
 import clipshard
 from clipshard.diagnostics.measurement import Measurement
-from clipshard.ops import _algorithm
+from clipshard.ops import has_compiled_kernel
 from clipshard.ops.contrastive_lse import contrastive_lse_backward
 from clipshard.ops.distill_lse import distill_lse
 
@@ -85,7 +85,7 @@ def _lse_yardstick(rows, cols, scale, bias, upstream):
 
 def _compiled_lse_algorithms(device):
     """The compiled algorithms of contrastive_lse registered for the device ("fused" and "chunked")."""
-    if not _algorithm.has_compiled_kernel("clipshard::contrastive_lse_forward", device.type):
+    if not has_compiled_kernel("clipshard::contrastive_lse_forward", device.type):
         return ()
     return ("fused", "chunked")
 
@@ -109,7 +109,7 @@ def check_contrastive_lse(device):
 def check_chunked_addmm_branches(device):
     """The chunked backward of 16-bit features accumulates d rows either through addmm with an fp32
     accumulator (where torch accepts one) or through an fp32 M x D buffer; both branches run."""
-    if not _algorithm.has_compiled_kernel("clipshard::contrastive_lse_forward", device.type):
+    if not has_compiled_kernel("clipshard::contrastive_lse_forward", device.type):
         return
     dtype = torch.bfloat16
     rows, cols, scale, bias, upstream = _problem(dtype, device, seed=20)
@@ -149,7 +149,7 @@ def check_siglip(device):
             want_loss, want_grads = _siglip_run(_fp64((rows, cols, scale, bias)), pos_offset, "torch")
             results = {}
             for algorithm in ("torch", "chunked"):
-                if algorithm == "chunked" and not _algorithm.has_compiled_kernel("clipshard::siglip_forward",
+                if algorithm == "chunked" and not has_compiled_kernel("clipshard::siglip_forward",
                                                                                  device.type):
                     continue
                 inputs = [t.detach().clone().requires_grad_() for t in (rows, cols, scale, bias)]
@@ -187,7 +187,7 @@ def check_distill(device):
         want_outs, want_grads = _distill_run(_fp64(inputs), "torch", weights)
         baseline = None
         for algorithm in ("torch", "compiled"):
-            if algorithm == "compiled" and not _algorithm.has_compiled_kernel("clipshard::distill_lse", device.type):
+            if algorithm == "compiled" and not has_compiled_kernel("clipshard::distill_lse", device.type):
                 continue
             outs, grads = _distill_run([t.detach().requires_grad_() for t in inputs], algorithm, weights)
             fwd, bwd = _worst(outs, want_outs), _worst(grads, want_grads)

@@ -86,10 +86,9 @@ def _lse_inputs(dtypes):
 
 
 def _lse_compiled(algorithm, dtypes, rows, cols, scale, bias, g_row, g_pos, g_col):
-    outs = torch.ops.clipshard.contrastive_lse_forward(rows, cols, scale, bias, POS_OFFSET, True, algorithm, WORKSPACE,
-                                                       False)
+    outs = torch.ops.clipshard.contrastive_lse_forward(rows, cols, scale, bias, POS_OFFSET, True, algorithm, WORKSPACE)
     grads = torch.ops.clipshard.contrastive_lse_backward(g_row, g_pos, g_col, rows, cols, scale, bias, POS_OFFSET,
-                                                         outs[0], outs[2], algorithm, WORKSPACE, False)
+                                                         outs[0], outs[2], algorithm, WORKSPACE)
     return [*outs, *grads]
 
 

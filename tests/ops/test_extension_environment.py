@@ -62,7 +62,7 @@ def test_every_compiled_variable_is_read_through_the_one_parser():
     """Issue 31 item 13: CLIPSHARD_CHUNKED_FORWARD_ROWS was still read with getenv and its own error
     (a RuntimeError, case-sensitive). Every CLIPSHARD_* variable of csrc goes through env_vars.h's
     helpers (one set of spellings, one ValueError naming the variable): no other file calls getenv."""
-    csrc = pathlib.Path(__file__).resolve().parents[1] / "csrc"
+    csrc = pathlib.Path(__file__).resolve().parents[2] / "csrc"
     sources = [p for p in csrc.rglob("*") if p.suffix in (".h", ".cpp", ".cu", ".cuh")]
     assert len(sources) > 20
     assert [str(p.relative_to(csrc)) for p in sources if p.name != "env_vars.h" and "getenv" in p.read_text()] == []

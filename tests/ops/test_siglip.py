@@ -427,7 +427,7 @@ def test_loss_bad_input():
         siglip_loss(img, img, torch.ones(2))
     with pytest.raises(ValueError, match="logit_bias must be None or a tensor with one element"):
         siglip_loss(img, img, 1.0, torch.ones(3))
-    with pytest.raises(TypeError, match="must be torch.Tensors"):
+    with pytest.raises(TypeError, match="siglip_loss: image_features must be a tensor, got list"):
         siglip_loss([[1.0]], img, 1.0)
     with pytest.raises(ValueError, match="dist_impl must be one of 'bidir', 'shift', 'reduce', 'gather'"):
         SigLipLoss(dist_impl="ring")
