@@ -62,7 +62,7 @@ def _error(name, got, want):
     return ((got - want).abs().max() / want.abs().max().clamp_min(floor)).item()
 
 
-def _compare_all(rank, world_size, sizes, negative_sizes, dtype, tol, bias_value, seed):
+def _compare_all(rank, world_size, sizes, negative_sizes, dtype, tol, bias_value, seed, negative_options):
     image64, text64, negatives64, ids = _global_data(sizes, negative_sizes, seed, dtype)
     mine = slice(sum(sizes[:rank]), sum(sizes[: rank + 1]))
     acc = torch.float64 if dtype == torch.float64 else torch.float32
@@ -72,7 +72,7 @@ def _compare_all(rank, world_size, sizes, negative_sizes, dtype, tol, bias_value
     worst = {}
     for targets in ("mask", "multi"):
         for direction in ("both", "image_to_text"):
-            for with_negatives in (False, True):
+            for with_negatives in negative_options:
                 negatives = negatives64 if with_negatives else None
                 for local_loss, gather_with_grad in COMBINATIONS:
                     want = clip_targets_rank_reference(image64, text64, scale, bias, sizes, upstream, rank, local_loss,
@@ -122,8 +122,8 @@ def _zero_negatives_are_no_negatives(rank, world_size, sizes):
 
 def _main(rank, world_size, runs):
     worst = {}
-    for sizes, negative_sizes, dtype, tol, bias_value, seed in runs:
-        found = _compare_all(rank, world_size, sizes, negative_sizes, dtype, tol, bias_value, seed)
+    for sizes, negative_sizes, dtype, tol, bias_value, seed, negative_options in runs:
+        found = _compare_all(rank, world_size, sizes, negative_sizes, dtype, tol, bias_value, seed, negative_options)
         for key, value in found.items():
             worst[key] = max(worst.get(key, 0.0), value)
     _zero_negatives_are_no_negatives(rank, world_size, runs[0][0])
@@ -131,13 +131,13 @@ def _main(rank, world_size, runs):
 
 
 def test_three_ranks_unequal_batches_and_a_rank_without_negatives():
-    runs = [((5, 3, 4), (2, 0, 3), torch.float64, 1e-10, -1.5, 1),
-            ((4, 6, 3), (1, 3, 0), torch.float32, 2e-5, None, 2)]
+    runs = [((5, 3, 4), (2, 0, 3), torch.float64, 1e-10, -1.5, 1, (False, True)),
+            ((4, 6, 3), (1, 3, 0), torch.float32, 2e-5, None, 2, (True,))]
     report_worst(run_group(_main, 3, runs, timeout=300)[0])
 
 
 def test_two_ranks():
-    report_worst(run_group(_main, 2, [((6, 6), (2, 4), torch.float64, 1e-10, 0.5, 3)], timeout=300)[0])
+    report_worst(run_group(_main, 2, [((6, 6), (2, 4), torch.float64, 1e-10, 0.5, 3, (True,))], timeout=300)[0])
 
 
 # ---------------------------------------------------------------------------------------------
