@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import clipshard
 from tests.dist_utils import report_worst, run_group
+from tests.parallel.test_ring import _no_batch_gathers
 from tests.references.siglip_targets import siglip_targets_rank_reference
 
 DIST_IMPLS = [None, "bidir", "shift", "reduce", "gather"]
@@ -103,6 +104,17 @@ def _values_rank(rank, world_size):
     if rank < 2:
         _compare(rank, pair, (4, 6), (3, 5), torch.float32, 6, None, False, -5.0, worst)  # hard negatives only
         _compare(rank, pair, (4, 6), None, torch.float64, 7, "mask", True, -5.0, worst)  # ids only
+
+    # ring mode moves the ids and the hard negatives with the blocks: nothing of the batch is gathered...
+    image, text = torch.randn(3, 5).requires_grad_(), torch.randn(3, 5).requires_grad_()
+    negatives, ids = torch.randn(rank, 5).requires_grad_(), torch.tensor([0, 1, rank])
+    with _no_batch_gathers():
+        clipshard.siglip_loss(image, text, 10.0, -2.0, mode="ring", hard_negatives=negatives,
+                              sample_ids=ids).backward()
+    assert negatives.grad.shape == negatives.shape
+    # ... and the check would catch the gathered mode
+    with _no_batch_gathers(), pytest.raises(AssertionError, match="ring mode called gather_rows"):
+        clipshard.siglip_loss(image, text, 10.0, -2.0, hard_negatives=negatives, sample_ids=ids)
     dist.barrier()
     return worst
 

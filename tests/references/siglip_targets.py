@@ -32,10 +32,12 @@ def siglip_targets_sum(image, text, scale, bias, pos_offset, row_ids=None, col_i
         targets = "multi"  # SigLIP's default with ids
     labels = _labels(m, k, row_ids, col_ids, pos_offset, targets)
     logits = similarity_reference(image, text, scale, bias)
-    terms = torch.nn.functional.softplus(-labels * logits) * (labels != 0)  # label 0: no term
+    # softplus(-z l) = -logsigmoid(z l): torch's softplus returns t itself above its threshold 20,
+    # off by up to 2e-9 per term in fp64
+    terms = -torch.nn.functional.logsigmoid(labels * logits) * (labels != 0)  # label 0: no term
     total = terms.sum()
     if hard_negatives is not None and hard_negatives.shape[0] > 0:
-        total = total + torch.nn.functional.softplus(similarity_reference(image, hard_negatives, scale, bias)).sum()
+        total = total - torch.nn.functional.logsigmoid(-similarity_reference(image, hard_negatives, scale, bias)).sum()
     return total
 
 
