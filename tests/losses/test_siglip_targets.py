@@ -21,7 +21,10 @@ def _max_rel(got, want):
 
 def _features(m, h, dim, seed, dtype):
     gen = torch.Generator().manual_seed(seed)
-    unit = lambda n: torch.nn.functional.normalize(torch.randn(n, dim, generator=gen, dtype=torch.float64), dim=1)  # noqa: E731
+
+    def unit(n):
+        return torch.nn.functional.normalize(torch.randn(n, dim, generator=gen, dtype=torch.float64), dim=1)
+
     image = unit(m)
     text = torch.nn.functional.normalize(unit(m) + 0.5 * image, dim=1)  # correlated pairs
     negatives = torch.nn.functional.normalize(unit(h) + 0.3 * image[torch.arange(h) % m], dim=1)  # hard ones
@@ -37,7 +40,8 @@ def _run(loss_fn, image, text, negatives, scale, bias, upstream, **kwargs):
 
 
 def _reference(image, text, negatives, scale, bias, upstream, **kwargs):
-    leaves = [None if t is None else t.detach().double().requires_grad_() for t in (image, text, negatives, scale, bias)]
+    leaves = [None if t is None else t.detach().double().requires_grad_()
+              for t in (image, text, negatives, scale, bias)]
     loss = siglip_targets_loss_reference(leaves[0], leaves[1], leaves[3], leaves[4], hard_negatives=leaves[2], **kwargs)
     (loss * upstream).backward()
     return [loss.detach()] + [None if t is None else t.grad for t in leaves]
