@@ -23,7 +23,7 @@ def _negatives(count, seed):
     return torch.randint(0, VOCAB, (count, TOKENS), generator=torch.Generator().manual_seed(seed))
 
 
-def _plain_step(model, loss_fn, images, tokens, ids, negative_tokens, upstream):
+def _plain_step(model, loss_fn, images, tokens, ids, negative_tokens, upstream, encode_text=None):
     """The step without the cache, drawing dropout in GradCache's order (the model's micro-batches,
     then the negatives'): every graph kept, one backward."""
     outputs = [model(i, t) for i, t in zip(images.split(MICRO), tokens.split(MICRO))]
@@ -34,7 +34,8 @@ def _plain_step(model, loss_fn, images, tokens, ids, negative_tokens, upstream):
         values = (torch.cat([o[0] for o in outputs]), torch.cat([o[1] for o in outputs]), *first[2:])
     keywords = {"sample_ids": ids}
     if negative_tokens is not None:
-        keywords["hard_negatives"] = torch.cat([model.encode_text(t) for t in negative_tokens.split(MICRO)])
+        encode_text = encode_text or model.encode_text
+        keywords["hard_negatives"] = torch.cat([encode_text(t) for t in negative_tokens.split(MICRO)])
     loss = loss_fn(**values, **keywords) if isinstance(values, dict) else loss_fn(*values, **keywords)
     (loss * upstream).backward()
     return loss.detach()
@@ -139,3 +140,44 @@ def test_hard_negatives_need_a_text_tower_that_runs_alone():
     with pytest.raises(ValueError, match=r"encode_text must return the features of its texts, a tensor of shape "
                                          r"\(5, D\) for this micro-batch of hard_negative_texts, got \(4, 8\)"):
         cache(*batch(M, 6), hard_negative_texts=_negatives(H, 0))
+
+
+def _ddp_on_ranks(rank, world_size):
+    """(gradients, DDP reductions, loss) of GradCache and of the plain DDP step, on this rank: a DDP
+    model, the rank's own materialised loss with ids and its hard negatives (11 on rank 0, none on
+    rank 1), the negatives through ddp.module.encode_text."""
+    import io
+
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    images, tokens = batch(M, 20 + rank)
+    ids, negative_tokens = _ids(20 + rank), _negatives(H if rank == 0 else 0, 30 + rank)
+    loss_fn = lambda *a, **k: materialised_clip_loss(*a, **k, targets="multi")  # noqa: E731
+    results = []
+    for cached in (True, False):
+        torch.manual_seed(7 + rank)
+        ddp = torch.nn.parallel.DistributedDataParallel(TinyClip(dropout=0.2, with_bias=False))
+        reductions = []
+        ddp.register_comm_hook(None, lambda state, bucket: reductions.append(1) or allreduce_hook(state, bucket))
+        if cached:
+            cache = clipshard.GradCache(ddp, loss_fn, MICRO, encode_text=ddp.module.encode_text)
+            loss = cache(images, tokens, sample_ids=ids, hard_negative_texts=negative_tokens)
+            (loss * 0.5 / M).backward()
+        else:
+            loss = _plain_step(ddp, loss_fn, images, tokens, ids, negative_tokens, 0.5 / M, ddp.module.encode_text)
+        results.append((grads(ddp.module), len(reductions), loss.item()))
+    buffer = io.BytesIO()
+    torch.save(results, buffer)
+    return buffer.getvalue()
+
+
+
+def test_over_two_ddp_ranks_with_unequal_negatives_the_plain_ddp_steps_gradients_reduced_once():
+    import io
+
+    from tests.dist_utils import run_group
+    for rank, out in enumerate(run_group(_ddp_on_ranks, 2, timeout=300)):
+        (ours, our_reductions, our_loss), (plain, plain_reductions, plain_loss) = torch.load(io.BytesIO(out))
+        difference = max_relative_difference(ours, plain)
+        print(f"  rank {rank}: gradients {difference:.3g}, reductions {our_reductions} / {plain_reductions}")
+        assert difference <= 1e-10 and abs(our_loss - plain_loss) <= 1e-10 * abs(plain_loss)
+        assert our_reductions == plain_reductions >= 1
