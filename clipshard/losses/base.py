@@ -5,7 +5,10 @@ codes that name loss options across ranks, and the cross-rank validation of the 
 (clipshard.parallel.agreement) and returns the ShardLayout: each rank sends one row, FIELDS below,
 and every rank checks all rows with the same code, so that a bad input or ranks that disagree raise
 the same error on every rank instead of leaving some of them waiting in a collective. The loss's
-options travel as explicit fields (OPTIONS), so a disagreement names the option.
+options travel as explicit fields (OPTIONS), so a disagreement names the option. The optional
+inputs of issue 33 (sample_ids, targets, hard_negatives, direction; `Extras`) travel in the same
+row: their problems as codes, their presence, targets, direction and the hard negatives' count,
+feature size and dtype as fields (docs/targets.md).
 """
 import zlib
 from dataclasses import dataclass
@@ -13,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from clipshard.ops.inputs import SUPPORTED_DTYPES, FeaturePair, LossScalar, check_flags
+from clipshard.ops.inputs import SUPPORTED_DTYPES, FeaturePair, LossScalar, Problem, check_flags
 from clipshard.parallel.agreement import differing_values, exchange_rows, require_same
 from clipshard.parallel.layout import ShardLayout, process_group, single_process_layout
 
@@ -130,6 +133,105 @@ _KNOWN_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "meta", "hpu", "mtia", "xla"
 _DEVICE_NAMES = {_device_code(t): t for t in _KNOWN_DEVICE_TYPES}
 
 
+TARGETS = ("mask", "multi")
+DIRECTIONS = ("both", "image_to_text")
+
+
+@dataclass(frozen=True)
+class Extras:
+    """A loss's optional inputs of issue 33, as the caller gave them (docs/targets.md).
+
+    sample_ids: None or a 1-D int64 tensor, one global id per local pair, on the features' device.
+    targets: None, "mask" or "multi" (None means `default_targets` when sample_ids is given).
+    hard_negatives: None or an H_r x D tensor like text_features (H_r >= 0, may differ per rank).
+    direction: "both" or "image_to_text" (the CLIP loss), None for a loss without directions.
+    """
+
+    sample_ids: object = None
+    targets: object = None
+    hard_negatives: object = None
+    direction: object = None
+    default_targets: str = "mask"
+
+    @property
+    def resolved_targets(self):
+        """None without sample_ids, else targets or the loss's default."""
+        if self.sample_ids is None:
+            return None
+        return self.default_targets if self.targets is None else self.targets
+
+
+NO_EXTRAS = Extras()
+
+
+class _ExtraRules:
+    """The per-rank rules of Extras, each one expectation (so that a problem travels as a number)."""
+
+    ids = ("sample_ids must be None or a 1-D int64 tensor with one id per pair (the length of the local "
+           "batch) on the features' device")
+    targets = "targets must be None, 'mask' or 'multi'"
+    targets_without_ids = "targets needs sample_ids (the targets are defined by the pairs' ids)"
+    direction = "direction must be 'both' or 'image_to_text'"
+    negatives = ("hard_negatives must be None or a 2-D tensor (H x D, H >= 0) with text_features' dtype, "
+                 "feature size D and device")
+
+    @classmethod
+    def rules(cls):
+        return cls.ids, cls.targets, cls.targets_without_ids, cls.direction, cls.negatives
+
+
+def _describe_tensor(t):
+    if not torch.is_tensor(t):
+        return type(t).__name__
+    return f"a {t.dim()}-D {t.dtype} tensor of shape {tuple(t.shape)} on {t.device}"
+
+
+def extras_problem(extras, image, text):
+    """The first Problem with one rank's Extras (image, text already valid), or None."""
+    ids, negatives = extras.sample_ids, extras.hard_negatives
+    if ids is not None and not (torch.is_tensor(ids) and ids.dim() == 1 and ids.dtype == torch.int64
+                                and ids.shape[0] == image.shape[0] and ids.device == image.device
+                                and ids.layout == torch.strided):
+        return Problem(ValueError, _ExtraRules.ids,
+                       f"{_describe_tensor(ids)} (local batch {image.shape[0]} on {image.device})")
+    if extras.targets is not None and extras.targets not in TARGETS:
+        return Problem(ValueError, _ExtraRules.targets, repr(extras.targets))
+    if extras.targets is not None and ids is None:
+        return Problem(ValueError, _ExtraRules.targets_without_ids, f"targets={extras.targets!r} and sample_ids=None")
+    if extras.direction is not None and extras.direction not in DIRECTIONS:
+        return Problem(ValueError, _ExtraRules.direction, repr(extras.direction))
+    if negatives is not None and not (torch.is_tensor(negatives) and negatives.dim() == 2
+                                      and negatives.shape[1] == text.shape[1] and negatives.dtype == text.dtype
+                                      and negatives.device == text.device and negatives.layout == torch.strided):
+        return Problem(ValueError, _ExtraRules.negatives,
+                       f"{_describe_tensor(negatives)} (text_features: {text.dtype}, D = {text.shape[1]}, "
+                       f"on {text.device})")
+    return None
+
+
+def check_extras(fn, extras, image, text):
+    """One device: raise the first problem of `extras` (image and text already checked)."""
+    problem = extras_problem(extras, image, text)
+    if problem is not None:
+        problem.raise_for(fn)
+
+
+def check_direction(fn, direction):
+    """A constructor's direction argument."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"{fn}: direction must be 'both' or 'image_to_text', got {direction!r}")
+
+
+def _extra_fields(extras):
+    """The Extras' fields of a valid rank's metadata row (EXTRA_FIELDS' order)."""
+    ids, negatives, targets = extras.sample_ids, extras.hard_negatives, extras.resolved_targets
+    return [int(ids is not None), -1 if targets is None else TARGETS.index(targets),
+            -1 if extras.direction is None else DIRECTIONS.index(extras.direction),
+            int(negatives is not None), 0 if negatives is None else negatives.shape[0],
+            -1 if negatives is None else negatives.shape[1],
+            -1 if negatives is None else DTYPE_CODES[negatives.dtype]]
+
+
 def requires_grad_bits(tensors):
     """Which inputs autograd will differentiate: a rank under torch.no_grad() would skip the backward
     collectives that the other ranks enter."""
@@ -141,59 +243,74 @@ def requires_grad_bits(tensors):
 # other ranks (0: none; the last code is a loss's own problem, described by the loss).
 FEATURES = FeaturePair(("image_features", "text_features"), ("batch x dim", "batch x dim"), same_shape=True)
 SCALE, BIAS = LossScalar("logit_scale"), LossScalar("logit_bias", optional=True)
-_RULES = FEATURES.rules() + SCALE.rules() + BIAS.rules()
+_RULES = FEATURES.rules() + SCALE.rules() + BIAS.rules() + _ExtraRules.rules()
 _OWN_PROBLEM = len(_RULES) + 1
 _DESCRIBE = dict(enumerate(_RULES, 1))  # what the other ranks say about a problem code
 
+# The Extras' fields: presence of sample_ids, targets (resolved), direction, presence of
+# hard_negatives, their count H_r (may differ per rank), feature size and dtype.
+EXTRA_FIELDS = ("has_ids", "targets", "direction", "has_negatives", "negatives", "negatives_dim", "negatives_dtype")
 # Column order of the metadata row each rank contributes (the option fields are OPTIONS').
 FIELDS = ("batch", "dim", "dtype", "device", "has_bias", "requires_grad", *OPTIONS, "rank_arg", "world_size_arg",
-          "scale_dtype", "bias_dtype")
+          "scale_dtype", "bias_dtype", *EXTRA_FIELDS)
+_PRESENCE = {"has_ids": "sample_ids", "has_negatives": "hard_negatives"}  # given on every rank or on none
 # What must agree, in the order checked: (field, description, how a code is shown).
 _MUST_AGREE = (
     ("dim", "feature dimension D", {}),
     ("dtype", "feature dtype", DTYPE_NAMES),
     ("device", "feature device type", _DEVICE_NAMES),
     ("has_bias", "presence of logit_bias", {}),
-    ("requires_grad", "requires_grad pattern of (image, text, logit_scale, logit_bias) under the grad mode", {}),
+    ("has_ids", "sample_ids", {}),
+    ("has_negatives", "hard_negatives", {}),
+    ("requires_grad", "requires_grad pattern of (image, text, logit_scale, logit_bias, hard_negatives) under the "
+     "grad mode", {}),
     *((name, what, shown) for name, (what, shown) in OPTIONS.items()),
+    ("targets", "targets", {-1: "(none)", **dict(enumerate(TARGETS))}),
+    ("direction", "direction", {-1: "(none)", **dict(enumerate(DIRECTIONS))}),
     ("scale_dtype", "logit_scale dtype", DTYPE_NAMES),
     ("bias_dtype", "logit_bias dtype", DTYPE_NAMES),
+    ("negatives_dim", "hard_negatives feature size D", {}),
+    ("negatives_dtype", "hard_negatives dtype", DTYPE_NAMES),
 )
 
 
-def input_problem(image, text, scale, bias):
+def input_problem(image, text, scale, bias, extras=NO_EXTRAS):
     """The first Problem with one rank's inputs, or None. Everything that would make this rank fail
     after the metadata exchange belongs here."""
     problem = FEATURES.problem(image, text)
     if problem is None:
-        problem = SCALE.problem(scale, image) or BIAS.problem(bias, image)
+        problem = SCALE.problem(scale, image) or BIAS.problem(bias, image) or extras_problem(extras, image, text)
     return problem
 
 
 def shard_layout(fn, image, text, scale, bias, group, options, *, rank_arg=None, world_size_arg=None,
-                 same_scale_and_bias=False, own_problem=None):
+                 same_scale_and_bias=False, own_problem=None, extras=NO_EXTRAS):
     """Validate the inputs of all ranks (one metadata exchange with a process group) and return the
     ShardLayout. scale and bias are tensors already (as_scalar_tensor). rank_arg / world_size_arg
     are open_clip's constructor arguments, checked against the group when given.
     same_scale_and_bias=True requires every rank to hold the same logit_scale and logit_bias values
     (mixes_ranks_scales). own_problem: (description for the other ranks, Problem or None), a
-    problem the loss found in inputs of its own (the distillation loss's teachers)."""
-    problem = input_problem(image, text, scale, bias)
+    problem the loss found in inputs of its own (the distillation loss's teachers). extras: the
+    Extras (sample_ids, targets, hard_negatives, direction): validated on every rank; presence,
+    targets, direction and the hard negatives' D and dtype must agree; the layout's
+    negative_sizes are every rank's H_r (its negatives_layout() gathers them)."""
+    problem = input_problem(image, text, scale, bias, extras)
     code = _RULES.index(problem.rule) + 1 if problem else 0
     if problem is None and own_problem is not None and own_problem[1] is not None:
         problem, code = own_problem[1], _OWN_PROBLEM
     if group is None:
         if problem is not None:
             problem.raise_for(fn)
-        return single_process_layout(image.shape[0])
+        return _with_negatives(single_process_layout(image.shape[0]), extras)
     describe = _DESCRIBE if own_problem is None else {**_DESCRIBE, _OWN_PROBLEM: own_problem[0]}
     if problem is not None:
         fields = [0] * len(FIELDS)
     else:
         fields = [image.shape[0], image.shape[1], DTYPE_CODES[image.dtype], _device_code(image.device.type),
-                  int(bias is not None), requires_grad_bits((image, text, scale, bias)), *_option_codes(options),
-                  -1 if rank_arg is None else rank_arg, -1 if world_size_arg is None else world_size_arg,
-                  DTYPE_CODES[scale.dtype], -1 if bias is None else DTYPE_CODES[bias.dtype]]
+                  int(bias is not None), requires_grad_bits((image, text, scale, bias, extras.hard_negatives)),
+                  *_option_codes(options), -1 if rank_arg is None else rank_arg,
+                  -1 if world_size_arg is None else world_size_arg, DTYPE_CODES[scale.dtype],
+                  -1 if bias is None else DTYPE_CODES[bias.dtype], *_extra_fields(extras)]
     table, values = exchange_rows(fn, group, fields, (scale, bias) if problem is None else (None, None),
                                   None if problem is None else (problem.error, code, problem.message), describe)
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -205,11 +322,29 @@ def shard_layout(fn, image, text, scale, bias, group, options, *, rank_arg=None,
         if given_rank not in (-1, q):
             raise ValueError(f"{fn}: rank {q} of the process group was given rank={given_rank}")
     for name, what, shown in _MUST_AGREE:
-        require_same(fn, column[name], what, shown)
+        if name in _PRESENCE:
+            require_same_presence(fn, _PRESENCE[name], column[name])
+        else:
+            require_same(fn, column[name], what, shown)
     if same_scale_and_bias:
         for k, name in enumerate(("logit_scale", "logit_bias")[: 1 + (bias is not None)]):
             require_same_values(fn, name, [row[k] for row in values])
-    return ShardLayout(sizes=tuple(column["batch"]), rank=rank, group=group)
+    negative_sizes = tuple(column["negatives"]) if extras.hard_negatives is not None else None
+    return ShardLayout(sizes=tuple(column["batch"]), rank=rank, group=group, negative_sizes=negative_sizes)
+
+
+def _with_negatives(layout, extras):
+    if extras.hard_negatives is None:
+        return layout
+    return ShardLayout(sizes=layout.sizes, rank=layout.rank, group=layout.group,
+                       negative_sizes=(extras.hard_negatives.shape[0],))
+
+
+def require_same_presence(fn, name, column):
+    """Raise on every rank if the optional input `name` is given on some ranks only (column: 0/1)."""
+    if len(set(column)) > 1:
+        per_rank = ", ".join(f"rank {q}: {'given' if v else 'None'}" for q, v in enumerate(column))
+        raise ValueError(f"{fn}: {name} must be given on every rank or on none, got {per_rank}")
 
 
 def require_same_values(fn, name, column):

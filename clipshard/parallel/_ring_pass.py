@@ -10,6 +10,7 @@ back with the block's owner, complete. Point-to-point transfers only (`batch_ise
 to the next rank and a receive from the previous one in one batch, the pattern NCCL needs to avoid
 a deadlock in a ring); the order of every fold is fixed, so results are bitwise reproducible.
 """
+import torch
 import torch.distributed as dist
 
 # gloo matches point-to-point messages by (peer, tag): blocks and travelling buffers use their own
@@ -50,25 +51,25 @@ class Ring:
 def blocks(ring, text, companion=None):
     """Yields (step, block, companion) for step = 0 .. N-1: this rank's text block at step 0, then
     the blocks of ranks r - 1, r - 2, ... The next block is in flight while the caller works on the
-    current one. `companion` (optional, last dimension K_q): what travels with the block, e.g. its
-    full column LSE (clipshard/parallel/ring.py's backward)."""
+    current one. `companion` (optional): what travels with the block, a tensor or a tuple of
+    tensors, each with last dimension K_q, e.g. its full column LSE (clipshard/parallel/ring.py's
+    backward) or its sample ids; yielded in the form it was given."""
     n = ring.layout.world_size
     block = text.contiguous()
+    single = companion is None or torch.is_tensor(companion)
+    companions = () if companion is None else (companion,) if single else tuple(companion)
+    companions = tuple(c.contiguous() for c in companions)
     for step in range(n):
         handle = None
         if step < n - 1:
             k_next = ring.block_size(step + 1)
             next_block = block.new_empty(k_next, block.shape[1])
-            sends, receives = [block], [next_block]
-            if companion is not None:
-                next_companion = companion.new_empty(*companion.shape[:-1], k_next)
-                sends, receives = sends + [companion], receives + [next_companion]
-            handle = ring.shift(sends, receives, _BLOCK_TAG)
-        yield step, block, companion
+            next_companions = tuple(c.new_empty(*c.shape[:-1], k_next) for c in companions)
+            handle = ring.shift([block, *companions], [next_block, *next_companions], _BLOCK_TAG)
+        yield step, block, (companions[0] if companions else None) if single else companions
         ring.wait(handle)
         if step < n - 1:
-            block = next_block
-            companion = next_companion if companion is not None else None
+            block, companions = next_block, next_companions
 
 
 class Travelling:

@@ -2,7 +2,7 @@
 ever see local tensors:
 
 - `gather_rows`: all-gather of features along dim 0 (unequal local sizes allowed); backward is a
-  reduce-scatter (sum) of the gradient.
+  reduce-scatter (sum) of the gradient; `gather_negatives` the same for the hard negatives.
 - `combine_column_lse`: C[j] = logsumexp_r c_r[j] over ranks; backward all-reduces the incoming
   gradient and returns g_C * exp(c_r - C).
 - `all_reduce_sum_with_grad`: a sum over ranks whose backward all-reduces the gradient (the
@@ -80,6 +80,15 @@ def gather_rows(x, layout, *, with_grad=True):
         return _GatherRows.apply(x, layout)
     with torch.no_grad():
         return _gather(x.detach().contiguous(), layout)
+
+
+def gather_negatives(negatives, layout, *, with_grad=True):
+    """Every rank's extra rows (the losses' hard negatives, H_r on rank r as
+    layout.negative_sizes says, H_r may be 0) in rank order, gathered like `gather_rows`; None
+    when `negatives` is None or no rank has any."""
+    if negatives is None or sum(layout.negative_sizes) == 0:
+        return None
+    return gather_rows(negatives, layout.negatives_layout(), with_grad=with_grad)
 
 
 class _CombineColumnLSE(torch.autograd.Function):

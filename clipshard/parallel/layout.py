@@ -12,6 +12,12 @@ class ShardLayout:
     sizes: tuple  # local batch size of every rank, in rank order
     rank: int
     group: object  # a ProcessGroup, or None for a single process
+    negative_sizes: tuple = None  # every rank's count H_r of extra columns (hard negatives), or None
+
+    def negatives_layout(self):
+        """The layout of the ranks' hard negatives (H_r rows on rank r, H_r may be 0), for
+        gathering them like the texts (collectives.gather_rows)."""
+        return ShardLayout(sizes=self.negative_sizes, rank=self.rank, group=self.group)
 
     @property
     def world_size(self):

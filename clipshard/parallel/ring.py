@@ -23,11 +23,22 @@ Each rank's per-block work and its logit_scale / logit_bias gradient are those o
 (the same row block, cut into N column blocks), so ring mode gives exchange mode's results. The
 point-to-point pass (blocks in flight, travelling accumulators) is clipshard/parallel/_ring_pass.py, shared
 with SigLIP's ring mode.
+
+Issue 33 (docs/targets.md): the sample ids of a text block travel with it (and with its column LSE
+in the backward). Targets "mask": every block call gets the ids; the foreign blocks have no
+positives (pos_offset None), so that every same-id pair there leaves the LSEs. Targets "multi":
+the LSEs are those without ids; the positives (mean same-id logits of this rank's rows and of its
+columns over every rank's rows) come from a second pass (_RingSameIdSums) that adds up each block's
+same-id logit sums, the columns' sums travelling with their block like the column LSEs. Hard
+negatives are gathered (O(sum_r H_r D) per rank) and join the row LSEs outside the pass.
 """
 import torch
 
 from clipshard.parallel._ring_pass import Ring, Travelling, blocks
 from clipshard.ops.contrastive_lse import contrastive_lse, contrastive_lse_backward
+from clipshard.ops.inputs import accumulate_dtype
+from clipshard.ops.same_id import same_id_logit_sums
+from clipshard.parallel.collectives import gather_negatives
 
 
 def _transposed(image, block, own):
@@ -36,8 +47,13 @@ def _transposed(image, block, own):
     return not own and block.shape[0] < image.shape[0]
 
 
-def _block_forward(image, block, scale, bias, own, algorithm):
-    """(row LSE part [M], positives [M] (own block only, else None), column LSE part [K])."""
+def _block_forward(image, block, scale, bias, own, algorithm, ids=None, block_ids=None):
+    """(row LSE part [M], positives [M] (own block only, else None), column LSE part [K]). With ids
+    (targets "mask"), a foreign block has no positives (pos_offset None) instead of being transposed."""
+    if ids is not None:
+        row, pos, col = contrastive_lse(image, block, scale, bias, 0 if own else None, True, row_ids=ids,
+                                        col_ids=block_ids, targets="mask", algorithm=algorithm)
+        return row, (pos if own else None), col
     if _transposed(image, block, own):
         col, _, row = contrastive_lse(block, image, scale, bias, 0, True, algorithm=algorithm)
         return row, None, col
@@ -45,8 +61,13 @@ def _block_forward(image, block, scale, bias, own, algorithm):
     return row, (pos if own else None), col
 
 
-def _block_backward(image, block, scale, bias, row_lse, col_lse, g_row, g_pos, g_col, own, algorithm):
+def _block_backward(image, block, scale, bias, row_lse, col_lse, g_row, g_pos, g_col, own, algorithm, ids=None,
+                    block_ids=None):
     """(d image, d block, d scale, d bias) of one block given the full LSEs and their gradients."""
+    if ids is not None:
+        return contrastive_lse_backward(g_row, g_pos if own else g_row.new_zeros(image.shape[0]), g_col, image, block,
+                                        scale, bias, 0 if own else None, row_lse, col_lse, row_ids=ids,
+                                        col_ids=block_ids, algorithm=algorithm)
     if _transposed(image, block, own):
         no_pos = g_col.new_zeros(block.shape[0])
         d_block, d_image, d_scale, d_bias = contrastive_lse_backward(
@@ -62,26 +83,26 @@ class _RingLSE(torch.autograd.Function):
     """(row LSE of I_r over all columns, positives of I_r, full column LSE of this rank's columns)."""
 
     @staticmethod
-    def forward(ctx, image, text, scale, bias, layout, algorithm):
+    def forward(ctx, image, text, scale, bias, layout, algorithm, ids=None):
         ring = Ring(layout)
         image = image.contiguous()
         # the partial column LSEs of a block, folded (logaddexp) by every rank it visits
         column = Travelling(ring, lambda acc, part: part if acc is None else torch.logaddexp(acc, part))
-        for step, block, _ in blocks(ring, text):
-            row, own_pos, col = _block_forward(image, block, scale, bias, step == 0, algorithm)
+        for step, block, block_ids in blocks(ring, text, ids):
+            row, own_pos, col = _block_forward(image, block, scale, bias, step == 0, algorithm, ids, block_ids)
             if step == 0:
                 row_lse, pos = row, own_pos
             else:
                 row_lse = torch.logaddexp(row_lse, row)
             column.fold(step, col)
         col_lse = column.result()  # the full column LSE of this rank's own columns
-        ctx.save_for_backward(image, text, scale, bias, row_lse, col_lse)
+        ctx.save_for_backward(image, text, scale, bias, row_lse, col_lse, ids)
         ctx.layout, ctx.algorithm = layout, algorithm
         return row_lse, pos, col_lse
 
     @staticmethod
     def backward(ctx, g_row, g_pos, g_col):
-        image, text, scale, bias, row_lse, col_lse = ctx.saved_tensors
+        image, text, scale, bias, row_lse, col_lse, ids = ctx.saved_tensors
         ring = Ring(ctx.layout)
         g_row = torch.zeros_like(row_lse) if g_row is None else g_row.contiguous()
         g_pos = torch.zeros_like(row_lse) if g_pos is None else g_pos.contiguous()
@@ -92,9 +113,12 @@ class _RingLSE(torch.autograd.Function):
         d_bias = torch.zeros((), dtype=torch.float64, device=image.device)
         d_text = Travelling(ring, lambda acc, part: part.to(grad_dtype) if acc is None else acc.add_(part))
         # what travels ahead with a text block: its full column LSE and its owner's gradient of it
-        for step, block, column in blocks(ring, text, torch.stack([col_lse, g_col])):
+        # (and its sample ids)
+        column_and_ids = torch.stack([col_lse, g_col]) if ids is None else (torch.stack([col_lse, g_col]), ids)
+        for step, block, companion in blocks(ring, text, column_and_ids):
+            column, block_ids = (companion, None) if ids is None else companion
             di, dt, ds, db = _block_backward(image, block, scale, bias, row_lse, column[0], g_row, g_pos,
-                                             column[1], step == 0, ctx.algorithm)
+                                             column[1], step == 0, ctx.algorithm, ids, block_ids)
             d_image += di
             d_scale += ds.double()
             d_bias += db.double()
@@ -103,12 +127,79 @@ class _RingLSE(torch.autograd.Function):
         grads = (d_image.to(image.dtype), d_text.result().to(text.dtype),
                  d_scale.to(scale.dtype).reshape(scale.shape),
                  None if bias is None else d_bias.to(bias.dtype).reshape(bias.shape))
-        return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:4])) + (None, None)
+        return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:4])) + (None, None, None)
 
 
-def ring_partial(image, text, scale, bias, layout, algorithm="auto"):
+class _RingSameIdSums(torch.autograd.Function):
+    """Targets "multi": (sum of S_ij over the columns j of every rank with id a_i, for this rank's
+    rows i; their count; sum over the rows of every rank with id c_j, for this rank's columns j;
+    their count), from one pass of same_id_logit_sums per block. The counts carry no gradient.
+    Backward: a second pass, each block's gradients by autograd through same_id_logit_sums."""
+
+    @staticmethod
+    def forward(ctx, image, text, scale, bias, ids, layout):
+        ring = Ring(layout)
+        image = image.contiguous()
+        column = Travelling(ring, lambda acc, part: part if acc is None else acc.add_(part))
+        for step, block, block_ids in blocks(ring, text, ids):
+            rs, rc, cs, cc = same_id_logit_sums(image, block, scale, bias, ids, block_ids)
+            row_sum, row_count = (rs, rc) if step == 0 else (row_sum + rs, row_count + rc)
+            column.fold(step, torch.stack([cs, cc], dim=1))  # K x 2: Travelling keeps the first dimension
+        col_sum, col_count = column.result().unbind(1)
+        ctx.save_for_backward(image, text, scale, bias, ids)
+        ctx.layout = layout
+        ctx.mark_non_differentiable(row_count, col_count)
+        return row_sum, row_count, col_sum, col_count
+
+    @staticmethod
+    def backward(ctx, g_row_sum, _, g_col_sum, __):
+        image, text, scale, bias, ids = ctx.saved_tensors
+        ring = Ring(ctx.layout)
+        acc = accumulate_dtype(image.dtype)  # fp32 accumulation for 16-bit features
+        g_row_sum = image.new_zeros(image.shape[0], dtype=acc) if g_row_sum is None else g_row_sum.to(acc)
+        g_col_sum = image.new_zeros(text.shape[0], dtype=acc) if g_col_sum is None else g_col_sum.to(acc)
+        image_leaf, scale_leaf = image.detach().requires_grad_(), scale.detach().requires_grad_()
+        bias_leaf = None if bias is None else bias.detach().requires_grad_()
+        d_image = torch.zeros(image.shape, dtype=acc, device=image.device)
+        d_scale = torch.zeros((), dtype=torch.float64, device=image.device)
+        d_bias = torch.zeros((), dtype=torch.float64, device=image.device)
+        d_text = Travelling(ring, lambda total, part: part.to(acc) if total is None else total.add_(part))
+        for step, block, (block_ids, g_block) in blocks(ring, text, (ids, g_col_sum.contiguous())):
+            block_leaf = block.detach().requires_grad_()
+            leaves = [image_leaf, block_leaf, scale_leaf] + ([bias_leaf] if bias is not None else [])
+            with torch.enable_grad():
+                rs, _, cs, _ = same_id_logit_sums(image_leaf, block_leaf, scale_leaf, bias_leaf, ids, block_ids)
+                grads = torch.autograd.grad((rs * g_row_sum).sum() + (cs * g_block).sum(), leaves)
+            d_image += grads[0]
+            d_scale += grads[2].double()
+            if bias is not None:
+                d_bias += grads[3].double()
+            d_text.fold(step, grads[1])
+        out = (d_image.to(image.dtype), d_text.result().to(text.dtype), d_scale.to(scale.dtype).reshape(scale.shape),
+               None if bias is None else d_bias.to(bias.dtype).reshape(bias.shape))
+        return tuple(g if need else None for g, need in zip(out, ctx.needs_input_grad[:4])) + (None, None)
+
+
+def ring_partial(image, text, scale, bias, layout, algorithm="auto", pairs=None):
     """This rank's partial P_r (exchange.py's notation) in ring mode: exchange_partial's value and
-    gradients, without gathering the text features."""
-    row_lse, pos, col_lse = _RingLSE.apply(image, text, scale, bias, layout, algorithm)
-    # S_jj of this rank's column j = offset + i is the positive logit of local row i.
-    return (row_lse - pos).sum() + (col_lse - pos).sum()
+    gradients, without gathering the text features. pairs: exchange.PairTargets (None: today's loss)."""
+    if pairs is None or pairs.plain:
+        row_lse, pos, col_lse = _RingLSE.apply(image, text, scale, bias, layout, algorithm, None)
+        # S_jj of this rank's column j = offset + i is the positive logit of local row i.
+        return (row_lse - pos).sum() + (col_lse - pos).sum()
+    ids = pairs.sample_ids
+    row_lse, pos, col_lse = _RingLSE.apply(image, text, scale, bias, layout, algorithm,
+                                           ids if pairs.targets == "mask" else None)
+    negatives = gather_negatives(pairs.hard_negatives, layout)  # every image row sees every rank's
+    if negatives is not None:
+        extra = contrastive_lse(image, negatives, scale, bias, None, False, algorithm=algorithm)[0]
+        row_lse = torch.logaddexp(row_lse, extra)
+    if pairs.targets == "multi":
+        row_sum, row_count, col_sum, col_count = _RingSameIdSums.apply(image, text, scale, bias, ids, layout)
+        row_pos, col_pos = row_sum / row_count, col_sum / col_count
+    else:  # the own pairs (S_jj of this rank's column j = offset + i is local row i's)
+        row_pos = col_pos = pos
+    partial = (row_lse - row_pos).sum()
+    if not pairs.both:
+        return partial
+    return partial + (col_lse - col_pos).sum()
