@@ -15,6 +15,15 @@ dist_impl values. Two modes compute it:
   Per-rank memory O(N M D).
 - "ring": the text blocks travel around the ring of ranks (clipshard/parallel/siglip_ring.py), per-rank
   memory O(M D) whatever the world size; the same loss and gradients.
+
+Sample ids and hard negatives (docs/siglip.md, "Sample ids and hard negatives"): with sample_ids
+(one global id per pair), a pair (i, j) other than the own one with the same id is +1 (targets
+"multi", the default) or has no term ("mask"); hard negatives (H_r x D on rank r) are extra -1
+columns for every image row of every rank, divided by M_r like the other terms. The ids travel
+with the texts (all-gathered, or passed around the ring with their block), the hard negatives like
+the texts (all-gathered with a reduce-scatter of their gradient, or appended to their owner's ring
+block), so their gradient comes home to their owner. Without ids and hard negatives every mode
+runs today's code.
 """
 import torch
 
@@ -48,19 +57,45 @@ def _check_dist_impl(fn, dist_impl):
     return dist_impl
 
 
+def _extras(hard_negatives, sample_ids, targets):
+    return base.Extras(sample_ids=sample_ids, targets=targets, hard_negatives=hard_negatives, default_targets="multi")
+
+
 def _loss(fn, image, text, scale, bias, group, rank_arg=None, world_size_arg=None, algorithm="auto",
-          mode="gather"):
+          mode="gather", extras=base.NO_EXTRAS):
     scale, bias = base.as_scalar_tensor(scale, image), base.as_scalar_tensor(bias, image)
     layout = base.shard_layout(fn, image, text, scale, bias, group, base.Options("the SigLIP loss", mode),
-                               rank_arg=rank_arg, world_size_arg=world_size_arg)
+                               rank_arg=rank_arg, world_size_arg=world_size_arg, extras=extras)
+    if extras.sample_ids is not None or extras.hard_negatives is not None:
+        return _loss_with_extras(image, text, scale, bias, layout, algorithm, mode, extras)
     if mode == "ring" and layout.world_size > 1:
         return siglip_ring_loss(image, text, scale, bias, layout, algorithm)
     all_text = collectives.gather_rows(text, layout)
     return siglip_sum(image, all_text, scale, bias, pos_offset=layout.offset, algorithm=algorithm) / layout.local_size
 
 
+def _loss_with_extras(image, text, scale, bias, layout, algorithm, mode, extras):
+    """The loss with sample ids and / or hard negatives. A group without any hard negative (every
+    H_r = 0) computes the loss without them: hard_negatives then gets no gradient."""
+    ids, targets = extras.sample_ids, extras.resolved_targets
+    negatives = extras.hard_negatives
+    if negatives is not None and sum(layout.negative_sizes) == 0:
+        negatives = None
+    if mode == "ring" and layout.world_size > 1:
+        return siglip_ring_loss(image, text, scale, bias, layout, algorithm, sample_ids=ids, targets=targets,
+                                hard_negatives=negatives)
+    all_text = collectives.gather_rows(text, layout)
+    kwargs = {}
+    if ids is not None:
+        kwargs.update(row_ids=ids, col_ids=collectives.gather_rows(ids, layout, with_grad=False), targets=targets)
+    if negatives is not None:
+        kwargs["extra_cols"] = collectives.gather_negatives(negatives, layout)
+    return siglip_sum(image, all_text, scale, bias, pos_offset=layout.offset, algorithm=algorithm,
+                      **kwargs) / layout.local_size
+
+
 def siglip_loss(image_features, text_features, logit_scale, logit_bias=None, *, group=None, algorithm="auto",
-                mode=None):
+                mode=None, hard_negatives=None, sample_ids=None, targets=None):
     """SigLIP's sigmoid loss, never materialising the logits.
 
     Distributed when `group` is given or torch.distributed is initialised (then over the world
@@ -71,13 +106,14 @@ def siglip_loss(image_features, text_features, logit_scale, logit_bias=None, *, 
     siglip_sum's ("auto", "chunked" or "torch"; docs/portable.md). mode: "gather" (None, the
     default: the texts are all-gathered) or "ring" (the same loss and gradients with the text blocks
     passed between neighbouring ranks: per-rank memory independent of the world size; docs/siglip.md).
+    hard_negatives, sample_ids, targets: as SigLipLoss.forward's.
     Returns a 0-dim fp32 tensor (fp64 for fp64 features).
     """
     check_algorithm("siglip_loss", algorithm, ALGORITHMS)
     mode = _check_mode("siglip_loss", mode)
     group = base.resolve_group("siglip_loss", group)
     return _loss("siglip_loss", image_features, text_features, logit_scale, logit_bias, group, algorithm=algorithm,
-                 mode=mode)
+                 mode=mode, extras=_extras(hard_negatives, sample_ids, targets))
 
 
 class SigLipLoss(torch.nn.Module):
@@ -106,7 +142,8 @@ class SigLipLoss(torch.nn.Module):
         self.algorithm = algorithm
         self.mode = _check_mode("SigLipLoss", mode)
 
-    def forward(self, image_features, text_features, logit_scale, logit_bias, output_dict=False):
+    def forward(self, image_features, text_features, logit_scale, logit_bias, output_dict=False, *,
+                hard_negatives=None, sample_ids=None, targets=None):
         """The SigLIP loss of this rank's batch, as open_clip's SigLipLoss.forward computes it.
 
         image_features, text_features: (batch, dim) tensors of one dtype (fp32, fp16, bf16 or fp64)
@@ -117,6 +154,15 @@ class SigLipLoss(torch.nn.Module):
         logit_bias: the additive bias of the logits (SigLIP models learn one), same forms as
             logit_scale, or None.
         output_dict: return {"contrastive_loss": loss} instead of the loss.
+        hard_negatives: None or an H x D tensor of extra negative texts (text_features' dtype, device
+            and D; H may differ between ranks, 0 allowed): a -1 term for every image of every rank.
+            They are gathered like the texts (passed around the ring in ring mode) and their
+            gradient comes back to this rank.
+        sample_ids: None or a 1-D int64 tensor of the pairs' global ids (length: the local batch,
+            on the features' device): pairs with the same id are positives too. Every rank gives
+            ids or none does.
+        targets: what a same-id pair other than the own one is: "multi" (the default with
+            sample_ids: a +1 term) or "mask" (no term); only with sample_ids.
 
         Returns a 0-dim fp32 tensor for fp32 / fp16 / bf16 features (fp64 for fp64): this rank's
         sum of softplus(-z * logit) over its images against every rank's texts, divided by its
@@ -124,14 +170,15 @@ class SigLipLoss(torch.nn.Module):
         stored. Gradients reach both feature tensors, logit_scale and logit_bias (docs/siglip.md).
         """
         check_flags("SigLipLoss", output_dict=output_dict)
+        extras = _extras(hard_negatives, sample_ids, targets)
         if self.world_size == 1 and self.group is None:
             loss = _loss("SigLipLoss", image_features, text_features, logit_scale, logit_bias, None,
-                         algorithm=self.algorithm)
+                         algorithm=self.algorithm, extras=extras)
         else:
             group = base.resolve_group("SigLipLoss", self.group, self.world_size)
             explicit = not (self.world_size == 1 and self.rank == 0)
             loss = _loss("SigLipLoss", image_features, text_features, logit_scale, logit_bias, group,
                          rank_arg=self.rank if explicit else None,
                          world_size_arg=self.world_size if explicit else None, algorithm=self.algorithm,
-                         mode=self.mode)
+                         mode=self.mode, extras=extras)
         return {"contrastive_loss": loss} if output_dict else loss
