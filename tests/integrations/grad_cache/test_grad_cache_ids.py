@@ -4,6 +4,8 @@ parameter gradient equal the plain step's (fp64 within 1e-10, dropout on, odd si
 0.5 / M), for "mask" and "multi" targets, dict and tuple outputs, nested backward and `parameters`
 mode. The loss here is a materialised fp64 reference of the objective (docs/targets.md), so the test
 checks GradCache alone, whatever the fused losses do. Bad ids / negatives are refused by name."""
+import functools
+
 import pytest
 import torch
 
@@ -41,7 +43,7 @@ def _plain_step(model, loss_fn, images, tokens, ids, negative_tokens, upstream, 
     return loss.detach()
 
 
-def _both_steps(loss_fn, *, as_tuple=False, parameters_mode=False, negatives=H, seed=1):
+def _both_steps(loss_fn, *, as_tuple=False, parameters_mode=False, negatives=H, seed=1, with_bias=False):
     images, tokens = batch(M, seed)
     ids = _ids(seed)
     negative_tokens = None if negatives is None else _negatives(negatives, seed + 100)
@@ -49,7 +51,7 @@ def _both_steps(loss_fn, *, as_tuple=False, parameters_mode=False, negatives=H, 
     results = []
     for cached in (True, False):
         torch.manual_seed(7)
-        model = TinyClip(dropout=0.2, as_tuple=as_tuple, with_bias=False)
+        model = TinyClip(dropout=0.2, as_tuple=as_tuple, with_bias=with_bias)
         if cached:
             cache = clipshard.GradCache(model, loss_fn, MICRO, encode_text=model.encode_text,
                                         parameters=model.parameters() if parameters_mode else None)
@@ -79,6 +81,17 @@ def test_ids_and_hard_negatives_give_the_plain_steps_loss_and_gradients(targets,
     (without, _), _ = _both_steps(loss_fn, as_tuple=as_tuple, parameters_mode=parameters_mode, negatives=None)
     assert max_relative_difference({k: without[k] for k in ("text.2.weight",)},
                                    {k: reference[k] for k in ("text.2.weight",)}) > 1e-3
+
+
+@pytest.mark.parametrize("loss", ["ClipLoss", "SigLipLoss"])
+@pytest.mark.parametrize("targets", ["mask", "multi"])
+def test_clipshards_losses_with_ids_and_hard_negatives_give_the_plain_steps_gradients(loss, targets):
+    loss_fn = functools.partial(getattr(clipshard, loss)(), targets=targets)
+    (ours, our_loss), (reference, reference_loss) = _both_steps(loss_fn, with_bias=loss == "SigLipLoss", seed=9)
+    difference = max_relative_difference(ours, reference)
+    print(f"  {loss} {targets}: gradients {difference:.3g}")
+    assert difference <= 1e-10
+    assert abs(our_loss - reference_loss) <= 1e-10 * abs(reference_loss)
 
 
 def test_ids_alone_and_zero_hard_negatives():
