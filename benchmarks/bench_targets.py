@@ -85,7 +85,7 @@ def duplicate_ids(batch, generator, device):
     return ids.to(device)
 
 
-def configurations(batch, dim, device, scale):
+def configurations(batch, dim, device, scale, hard_negatives_per_row=HARD_NEGATIVES_PER_ROW):
     """[(name, h, inputs, clipshard's loss, the materialised loss)]: fn(*inputs) -> loss."""
     g = torch.Generator().manual_seed(0)
     image, text = _features(batch, dim, g, device), _features(batch, dim, g, device)
@@ -97,7 +97,7 @@ def configurations(batch, dim, device, scale):
         configs.append((f"ids10-{targets}", 0, base,
                         functools.partial(clipshard.clip_loss, sample_ids=ids, targets=targets),
                         functools.partial(reference, ids=ids)))
-    for h in HARD_NEGATIVES_PER_ROW:
+    for h in hard_negatives_per_row:
         negatives = _features(h * batch, dim, g, device)
         configs.append((f"hn{h}", h, (*base, negatives),
                         lambda i, t, s, n: clipshard.clip_loss(i, t, s, hard_negatives=n),
@@ -112,25 +112,28 @@ def _step(loss_fn, inputs):
 
 
 def measure(loss_fn, inputs, device, repeats):
+    loss = loss_fn(*inputs)  # the warm-up call, whose loss value is kept
+    torch.autograd.grad(loss, inputs)
     fn = lambda: _step(loss_fn, inputs)  # noqa: E731
-    result = time_repeats(fn, device, repeats)
+    result = time_repeats(fn, device, repeats, warmup=0)
     result["peak_bytes"] = peak_memory_bytes(fn, device)
-    with torch.no_grad():
-        result["loss"] = loss_fn(*inputs).item()
+    result["loss"] = loss.item()
     return result
 
 
-def run(batch, dim, device, scale, repeats):
+def run(batch, dim, device, scale, repeats, hard_negatives_per_row=HARD_NEGATIVES_PER_ROW):
     rows = []
-    for name, h, inputs, ours, reference in configurations(batch, dim, device, scale):
+    for name, h, inputs, ours, reference in configurations(batch, dim, device, scale, hard_negatives_per_row):
         mine, theirs = measure(ours, inputs, device, repeats), measure(reference, inputs, device, repeats)
         rows.append({"config": name, "h": h, "batch": batch, "dim": dim,
                      "clipshard": mine, "materialised": theirs,
                      "loss_difference": abs(mine["loss"] - theirs["loss"]) / abs(theirs["loss"]),
                      "time_vs_materialised": mine["median_s"] / theirs["median_s"],
                      "mem_vs_materialised": mine["peak_bytes"] / theirs["peak_bytes"]})
-        print(f"  {name:12s} clipshard {mine['median_s'] * 1e3:9.1f} ms {mine['peak_bytes'] / 2**20:8.1f} MiB   "
-              f"materialised {theirs['median_s'] * 1e3:9.1f} ms {theirs['peak_bytes'] / 2**20:8.1f} MiB",
+        print(f"  {name:12s} clipshard {mine['median_s'] * 1e3:9.1f} ms ({mine['p20_s'] * 1e3:.1f}-"
+              f"{mine['p80_s'] * 1e3:.1f}) {mine['peak_bytes'] / 2**20:8.1f} MiB   materialised "
+              f"{theirs['median_s'] * 1e3:9.1f} ms ({theirs['p20_s'] * 1e3:.1f}-{theirs['p80_s'] * 1e3:.1f}) "
+              f"{theirs['peak_bytes'] / 2**20:8.1f} MiB   loss difference {rows[-1]['loss_difference']:.1e}",
               file=sys.stderr, flush=True)
         del inputs
     plain = rows[0]["clipshard"]["median_s"]
@@ -166,12 +169,14 @@ def main(argv=None):
     parser.add_argument("--dim", type=int, default=512, help="feature size D")
     parser.add_argument("--scale", type=float, default=14.3, help="logit scale (already exponentiated)")
     parser.add_argument("--repeats", type=int, default=3, help="timed repeats of each call")
+    parser.add_argument("--hard-negatives", type=int, nargs="+", default=list(HARD_NEGATIVES_PER_ROW),
+                        help="the values of h (hard negatives per row) to measure")
     parser.add_argument("--quick", action="store_true", help="B = 64, D = 16, 1 repeat: seconds, for the test")
     args = parser.parse_args(argv)
     require_device("bench_targets", args.device)
     if args.quick:
         args.batch, args.dim, args.repeats = 64, 16, 1
-    rows = run(args.batch, args.dim, args.device, args.scale, args.repeats)
+    rows = run(args.batch, args.dim, args.device, args.scale, args.repeats, args.hard_negatives)
     ms = lambda seconds: f"{seconds * 1e3:.1f}"  # noqa: E731
     print_table([
         ("config", lambda r: r["config"], "<"),
