@@ -34,17 +34,44 @@ def _tensors(name, value):
     return items
 
 
-def batch_size(images, texts):
-    """The common first dimension of every tensor in images and texts."""
-    items = _tensors("images", images) + _tensors("texts", texts)
+def _common_rows(items, what):
     first_label, first = items[0]
     for label, tensor in items:
         if tensor.shape[0] != first.shape[0]:
-            raise ValueError(f"{FN}: images and texts must have the same batch size (first dimension), got "
+            raise ValueError(f"{FN}: {what} must have the same batch size (first dimension), got "
                              f"{first.shape[0]} rows in {first_label} and {tensor.shape[0]} in {label}")
-    if first.shape[0] == 0:
+    return first_label, first.shape[0]
+
+
+def batch_size(images, texts):
+    """The common first dimension of every tensor in images and texts."""
+    first_label, rows = _common_rows(_tensors("images", images) + _tensors("texts", texts), "images and texts")
+    if rows == 0:
         raise ValueError(f"{FN}: the batch is empty ({first_label} has 0 rows)")
-    return first.shape[0]
+    return rows
+
+
+def negative_count(hard_negative_texts):
+    """The common first dimension of every tensor in hard_negative_texts (0 allowed: a rank may have none)."""
+    return _common_rows(_tensors("hard_negative_texts", hard_negative_texts), "the tensors of hard_negative_texts")[1]
+
+
+def check_sample_ids(sample_ids, rows):
+    """sample_ids as GradCache hands it to loss_fn: one int64 id per pair of the batch (not split)."""
+    if not torch.is_tensor(sample_ids) or sample_ids.dim() != 1 or sample_ids.dtype != torch.int64 \
+            or sample_ids.shape[0] != rows:
+        got = (f"{type(sample_ids).__name__}" if not torch.is_tensor(sample_ids)
+               else f"{sample_ids.dtype} of shape {tuple(sample_ids.shape)}")
+        raise ValueError(f"{FN}: sample_ids must be a 1-D int64 tensor with one id per pair ({rows}), got {got}")
+
+
+def negative_features(output, rows):
+    """encode_text's result for a micro-batch of `rows` hard negative texts: their H x D features."""
+    if not torch.is_tensor(output) or output.dim() != 2 or output.shape[0] != rows:
+        got = tuple(output.shape) if torch.is_tensor(output) else type(output).__name__
+        raise ValueError(f"{FN}: encode_text must return the features of its texts, a tensor of shape "
+                         f"({rows}, D) for this micro-batch of hard_negative_texts, got {got}")
+    return output
 
 
 def split(value, size):
@@ -96,10 +123,11 @@ class Outputs:
                                  f"micro-batch), got shape {tuple(value.shape)}")
         self.unbatched = [k for k, v in self.values.items() if k not in self.batched and torch.is_tensor(v)]
 
-    def call(self, fn, values):
+    def call(self, fn, values, keywords):
+        """fn on the outputs, with `keywords` (sample_ids, hard_negatives: those given) as keywords."""
         if self.is_dict:
-            return fn(**values)
-        return fn(*(values[i] for i in range(len(values))))
+            return fn(**values, **keywords)
+        return fn(*(values[i] for i in range(len(values))), **keywords)
 
 
 # --- what a re-run replays ----------------------------------------------------------------------

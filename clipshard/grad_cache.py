@@ -19,6 +19,11 @@ projection head; found in the loss's autograd graph) get g times the gradient th
 with respect to them, as in the plain step.
 Activations live for one micro-batch at a time; the cost is one extra forward of the model.
 
+sample_ids (the pairs' ids) go to loss_fn as they are, not split: the model never sees them. Hard
+negatives are texts: their features come from the text tower, which model(images, texts) cannot
+run alone, so they need encode_text (a text-only call): their micro-batches run through it in both
+passes like the model's, and loss_fn gets their features as hard_negatives=.
+
 Each re-run draws the random numbers of its first pass (dropout masks and the like): the CPU
 generator and every CUDA device's are saved before each micro-batch and restored for its re-run,
 and the generators are put back afterwards. Autocast regions active at the call are re-entered.
@@ -51,12 +56,16 @@ class GradCache:
         iterable of tensors), the returned loss instead carries their summed gradient through its
         own graph: for a GradCache called inside a model's forward that DDP wraps
         (apply_to_transformers), where DDP expects each parameter's gradient once per forward.
+    encode_text: the text tower alone (a callable: a micro-batch of hard_negative_texts -> its H x D
+        features, normalised like text_features, e.g. `lambda t: model.encode_text(t, normalize=True)`
+        for open_clip); needed only for hard_negative_texts.
     loss_fn's own trainable tensors (a module's parameters, or tensors a function closes over) get
     their plain-step gradient too; with parameters=None, a DDP / FSDP2 model's own parameters must
     reach the loss through the model's outputs, not through loss_fn (refused: docs/grad_cache.md).
     """
 
-    def __init__(self, model, loss_fn, micro_batch_size, *, allow_batch_norm=False, parameters=None):
+    def __init__(self, model, loss_fn, micro_batch_size, *, allow_batch_norm=False, parameters=None,
+                 encode_text=None):
         if isinstance(micro_batch_size, bool) or not isinstance(micro_batch_size, int):
             raise TypeError(f"{FN}: micro_batch_size must be an int, got {micro_batch_size!r} "
                             f"({type(micro_batch_size).__name__})")
@@ -65,34 +74,57 @@ class GradCache:
         for name, value in (("model", model), ("loss_fn", loss_fn)):
             if not callable(value):
                 raise TypeError(f"{FN}: {name} must be callable, got {type(value).__name__}")
+        if encode_text is not None and not callable(encode_text):
+            raise TypeError(f"{FN}: encode_text must be callable or None, got {type(encode_text).__name__}")
         check_bool(FN, "allow_batch_norm", allow_batch_norm)
         self.model, self.loss_fn, self.micro_batch_size = model, loss_fn, micro_batch_size
+        self.encode_text = encode_text
         self.allow_batch_norm = allow_batch_norm
         self.parameters = None if parameters is None else [p for p in _tensor_list(parameters) if p.requires_grad]
         if self.parameters is not None:
             _check_covers_the_model(model, self.parameters)
 
-    def __call__(self, images, texts):
+    def __call__(self, images, texts, *, sample_ids=None, hard_negative_texts=None):
         """The loss of the whole batch (a 0-dim tensor). Its backward re-runs the model per
-        micro-batch; without grad mode (evaluation) it is just the loss."""
-        mb.raise_on_every_rank(self.model, self._input_error(images, texts))
+        micro-batch; without grad mode (evaluation) it is just the loss.
+
+        sample_ids: None or the M pairs' int64 ids, handed to loss_fn as sample_ids= (whole).
+        hard_negative_texts: None or H texts (a tensor or dict / tuple of tensors, like `texts`; H may
+        be 0), run through encode_text in micro-batches; loss_fn gets their H x D features as
+        hard_negatives=."""
+        mb.raise_on_every_rank(self.model, self._input_error(images, texts, sample_ids, hard_negative_texts))
         pieces = list(zip(mb.split(images, self.micro_batch_size), mb.split(texts, self.micro_batch_size)))
+        negatives = [] if hard_negative_texts is None else mb.split(hard_negative_texts, self.micro_batch_size)
+        keywords = {} if sample_ids is None else {"sample_ids": sample_ids}
         if not torch.is_grad_enabled():
             outputs = [mb.Outputs(self.model(*piece), _rows(piece)) for piece in pieces]
-            return _total(outputs[0].call(self.loss_fn, _concatenated(outputs)))
-        step = _Step(self, pieces)
+            if negatives:
+                keywords["hard_negatives"] = torch.cat([self._negative_features(p) for p in negatives])
+            return _total(outputs[0].call(self.loss_fn, _concatenated(outputs), keywords))
+        step = _Step(self, pieces, negatives, keywords)
         anchor = torch.zeros((), device=step.loss.device, requires_grad=True)
         return _ReplayInBackward.apply(step, step.loss, anchor, *step.inputs)
 
-    def _input_error(self, images, texts):
+    def _negative_features(self, piece):
+        return mb.negative_features(self.encode_text(piece), mb.negative_count(piece))
+
+    def _input_error(self, images, texts, sample_ids, hard_negative_texts):
         """The error this call's inputs deserve, or None (raised on every rank by the caller)."""
         norms = [] if self.allow_batch_norm else mb.training_batch_norms(self.model)
         if norms:
             return ValueError(f"{FN}: model has BatchNorm in training mode ({', '.join(norms)}), whose "
                               "statistics differ per micro-batch; put it in eval mode or pass "
                               "allow_batch_norm=True to accept per-micro-batch statistics")
+        if hard_negative_texts is not None and self.encode_text is None:
+            return ValueError(f"{FN}: hard_negative_texts needs GradCache(..., encode_text=...): their features "
+                              "come from the text tower, and model(images, texts) cannot run it alone; pass the "
+                              "text tower as a callable (a micro-batch of texts -> its H x D features)")
         try:
-            mb.batch_size(images, texts)
+            rows = mb.batch_size(images, texts)
+            if sample_ids is not None:
+                mb.check_sample_ids(sample_ids, rows)
+            if hard_negative_texts is not None:
+                mb.negative_count(hard_negative_texts)
         except (TypeError, ValueError) as error:
             return error
         return None
@@ -169,30 +201,43 @@ class _Step:
     """One call's first pass (the loss and its gradients with respect to the model's outputs) and
     what its re-runs need."""
 
-    def __init__(self, cache, pieces):
-        self.cache, self.pieces = cache, pieces
+    def __init__(self, cache, pieces, negatives, keywords):
+        self.cache, self.pieces, self.negatives = cache, pieces, negatives
         self.autocast = mb.autocast_state()
         self.random_states, outputs = [], []
         for piece in pieces:
             self.random_states.append(mb.RandomState())
             with torch.no_grad():
                 outputs.append(mb.Outputs(cache.model(*piece), _rows(piece)))
+        self.negative_states, negative_features = [], []
+        for piece in negatives:
+            self.negative_states.append(mb.RandomState())
+            with torch.no_grad():
+                negative_features.append(cache._negative_features(piece))
         self.layout = outputs[0]
         values = _concatenated(outputs)
         leaves = {k: values[k].detach().requires_grad_(values[k].is_floating_point())
                   for k in self.layout.batched + self.layout.unbatched}
         values.update(leaves)
+        negative_leaf = None
+        if negatives:
+            features = torch.cat(negative_features)
+            negative_leaf = features.detach().requires_grad_(features.is_floating_point())
+            keywords = {**keywords, "hard_negatives": negative_leaf}
         with torch.enable_grad():
-            loss = _total(self.layout.call(cache.loss_fn, values))
+            loss = _total(self.layout.call(cache.loss_fn, values, keywords))
             if not loss.requires_grad:  # the plain step's backward would raise
                 raise ValueError(f"{FN}: loss_fn's result does not require grad: it depends neither on the "
                                  "features it was given nor on any parameter (computed under no_grad, or detached?)")
             wanted = {k: v for k, v in leaves.items() if v.requires_grad}
-            own = _graph_leaves(loss, wanted.values())
+            negative = [negative_leaf] if negative_leaf is not None and negative_leaf.requires_grad else []
+            own = _graph_leaves(loss, list(wanted.values()) + negative)
             self._refuse_synchronised_parameters(own)
-            grads = torch.autograd.grad(loss, list(wanted.values()) + own, allow_unused=True)
+            grads = torch.autograd.grad(loss, list(wanted.values()) + negative + own, allow_unused=True)
         self.loss = loss.detach()
         self.grads = {k: g for k, g in zip(wanted, grads) if g is not None}
+        self.negative_grad = grads[len(wanted)] if negative else None
+        grads = grads[:len(wanted)] + grads[len(wanted) + len(negative):]
         # what the returned loss's autograd node takes: the model's parameters in `parameters` mode,
         # then loss_fn's own tensors, each with the gradient the loss gave it (None: from the re-runs only)
         self.inputs = list(cache.parameters or ())
@@ -221,6 +266,37 @@ class _Step:
                              "in the last re-run, before loss_fn's gradient would arrive; return them among the "
                              "model's outputs (as logit_scale) instead")
 
+    def _backward(self, pairs, grad_output, summed):
+        """Back-propagates (output, cached gradient) pairs times grad_output: into .grad, or (in
+        `parameters` mode) added to `summed`, the parameters' gradients so far, which it returns."""
+        cache = self.cache
+        tensors = [t for t, _ in pairs]
+        grads = [(g * grad_output).to(t.dtype) for t, g in pairs]
+        if cache.parameters is None:
+            if tensors:
+                torch.autograd.backward(tensors, grads)
+            return summed
+        found = torch.autograd.grad(tensors, cache.parameters, grads, allow_unused=True) \
+            if tensors and cache.parameters else [None] * len(cache.parameters)
+        return found if summed is None else [_add(a, b) for a, b in zip(summed, found)]
+
+    def _replay_negatives(self, grad_output, summed):
+        """The hard negatives' re-runs through encode_text (before the model's, whose last one
+        synchronises gradients over ranks)."""
+        cache, start = self.cache, 0
+        for index, piece in enumerate(self.negatives):
+            rows = slice(start, start + mb.negative_count(piece))
+            start = rows.stop
+            if self.negative_grad is None or rows.stop == rows.start:
+                continue
+            self.negative_states[index].restore()
+            with (mb.without_gradient_sync(cache.model) if cache.parameters is None else contextlib.nullcontext()), \
+                    torch.enable_grad(), mb.autocast(self.autocast):
+                features = cache._negative_features(piece)
+                if features.requires_grad:
+                    summed = self._backward([(features, self.negative_grad[rows])], grad_output, summed)
+        return summed
+
     def replay(self, grad_output):
         """Re-runs every micro-batch with grad and back-propagates its share of the cached
         gradients times grad_output. Returns the parameters' gradients in `parameters` mode."""
@@ -229,6 +305,7 @@ class _Step:
         summed = None
         start = 0
         try:
+            summed = self._replay_negatives(grad_output, summed)
             for index, piece in enumerate(self.pieces):
                 self.random_states[index].restore()
                 rows = slice(start, start + self.rows[index])
@@ -242,15 +319,7 @@ class _Step:
                     keys += [k for k in output.unbatched if k in self.grads]
                 pairs = [(output.values[k], self.grads[k][rows] if k in output.batched else self.grads[k])
                          for k in keys if output.values[k].requires_grad]
-                tensors = [t for t, _ in pairs]
-                grads = [(g * grad_output).to(t.dtype) for t, g in pairs]
-                if cache.parameters is None:
-                    if tensors:
-                        torch.autograd.backward(tensors, grads)
-                    continue
-                found = torch.autograd.grad(tensors, cache.parameters, grads, allow_unused=True) \
-                    if tensors and cache.parameters else [None] * len(cache.parameters)
-                summed = found if summed is None else [_add(a, b) for a, b in zip(summed, found)]
+                summed = self._backward(pairs, grad_output, summed)
         finally:
             generators.restore()
         summed = summed or [None] * len(cache.parameters or ())

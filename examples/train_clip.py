@@ -35,10 +35,12 @@ from clip_digits.ranks import Ranks, Refusal, cuda_fits  # noqa: E402
 from clip_digits.report import format_table, plot_runs, summary_rows, write_metrics  # noqa: E402
 
 LOSSES = ("clipshard", "open_clip")
+SAMPLE_IDS = ("none", "label")
+TARGETS = ("mask", "multi")
 # Flags that define the computation: a resumed run must use the same ones.
 RUN_DEFINING = ("seed", "steps", "batch_size", "lr", "weight_decay", "warmup", "loss", "text_precision",
                 "half_dtype", "checkpointing", "image_width", "text_width", "text_layers", "text_heads",
-                "embed_dim", "eval_every")
+                "embed_dim", "eval_every", "sample_ids", "targets")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--loss", choices=LOSSES, default="clipshard",
                    help="clipshard.ClipLoss (mode='exchange') or open_clip's ClipLoss, same settings")
+    p.add_argument("--sample-ids", choices=SAMPLE_IDS, default="none",
+                   help="label: give the loss each pair's digit as its sample id, so that same-digit pairs are "
+                        "not treated as negatives (docs/targets.md)")
+    p.add_argument("--targets", choices=TARGETS,
+                   help="with --sample-ids label: mask (same-digit pairs leave the denominators) or multi (they "
+                        "are all positives, averaged); default mask")
     p.add_argument("--text-precision", choices=TEXT_PRECISIONS, default="sr16",
                    help="text tower weights and Adam moments: fp32, 16-bit with stochastic rounding, "
                         "or 16-bit with round-to-nearest")
@@ -101,6 +109,12 @@ def parse_args(argv=None, world_size: int | None = None) -> argparse.Namespace:
         parser.error(f"--seed must be in [0, 2**31), got {args.seed}")
     if args.micro_batch_size is not None and args.micro_batch_size < 1:
         parser.error(f"--micro-batch-size must be at least 1, got {args.micro_batch_size}")
+    if args.targets is not None and args.sample_ids == "none":
+        parser.error(f"--targets {args.targets} needs --sample-ids label: without ids every pair is its own target")
+    if args.sample_ids != "none":
+        args.targets = args.targets or "mask"
+        if args.loss != "clipshard":
+            parser.error(f"--sample-ids {args.sample_ids} needs --loss clipshard: open_clip's ClipLoss takes no ids")
     if args.batch_size % world_size:
         parser.error(f"--batch-size ({args.batch_size}) must be divisible by the number of ranks ({world_size})")
     available = num_train_images()
@@ -138,11 +152,15 @@ def _check_out_dir(parser: argparse.ArgumentParser, out: str) -> None:
         parser.error(f"--out {out}: {path} is a file, not a folder")
 
 
-def make_loss(name: str, ranks: Ranks):
+def make_loss(name: str, ranks: Ranks, targets: str | None = None):
+    """The loss; with `targets` ("mask" / "multi"), clipshard's, called with sample_ids= (the digits)."""
     settings = dict(local_loss=True, gather_with_grad=True, rank=ranks.rank, world_size=ranks.world_size)
     if name == "clipshard":
+        import functools
+
         import clipshard
-        return clipshard.ClipLoss(**settings, mode="exchange")
+        loss = clipshard.ClipLoss(**settings, mode="exchange")
+        return loss if targets is None else functools.partial(loss, targets=targets)
     from open_clip.loss import ClipLoss
     # open_clip gathers with torch.distributed.nn.all_gather, which warns on every call.
     warnings.filterwarnings("ignore", message=r"torch\.distributed\.nn\.functional\.all_gather is deprecated")
@@ -198,7 +216,7 @@ def train(args: argparse.Namespace, ranks: Ranks, out_dir: str, label: str = "",
         model_ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
     else:
         model_ddp = model
-    loss_fn = make_loss(args.loss, ranks)
+    loss_fn = make_loss(args.loss, ranks, args.targets)
     data = data.to(device)
 
     def evaluate(step: int) -> None:
@@ -222,12 +240,13 @@ def train(args: argparse.Namespace, ranks: Ranks, out_dir: str, label: str = "",
         import clipshard
         grad_cache = clipshard.GradCache(model_ddp, loss_fn, args.micro_batch_size)
     for step in range(start_step, stop):
-        images, token_ids, _ = rank_batch(data, args.batch_size, args.seed, step, ranks.rank, ranks.world_size)
+        images, token_ids, labels = rank_batch(data, args.batch_size, args.seed, step, ranks.rank, ranks.world_size)
+        ids = {} if args.sample_ids == "none" else {"sample_ids": labels}  # the digit: the same id on every rank
         if grad_cache is not None:
-            loss = grad_cache(images, token_ids)  # the model re-runs per micro-batch in loss.backward()
+            loss = grad_cache(images, token_ids, **ids)  # the model re-runs per micro-batch in loss.backward()
         else:
             image_features, text_features, scale = model_ddp(images, token_ids)
-            loss = loss_fn(image_features, text_features, scale)
+            loss = loss_fn(image_features, text_features, scale, **ids)
         for opt in optimizers.values():
             opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -271,7 +290,7 @@ def train(args: argparse.Namespace, ranks: Ranks, out_dir: str, label: str = "",
         "samples_per_second": steps_run * args.batch_size / train_seconds if steps_run else 0.0,
         "final_loss": history["loss"][-1],
         "loss_last_50_steps": sum(history["loss"][-50:]) / len(history["loss"][-50:]),
-        "loss_floor": contrastive_loss_floor(data, args.batch_size, args.seed, args.steps),
+        "loss_floor": contrastive_loss_floor(data, args.batch_size, args.seed, args.steps, args.targets),
         "parameters": {"text": n_text, "image_and_logit_scale": n_all - n_text},
         "num_train_images": len(data.train_labels),
         "num_test_images": len(data.test_labels),

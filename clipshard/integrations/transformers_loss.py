@@ -15,13 +15,18 @@ own loss on the concatenated global batch (docs/transformers.md derives it). Wit
 w_r = 1. The mean of the ranks' losses, which Trainer logs, is that global loss too.
 
 Without torch.distributed (or with one rank) it is clipshard's fused single-device loss.
+
+Sample ids, targets and hard negatives (issue 33) go to the loss as its keywords; they change
+neither the normalisation nor w_r, so the argument above holds for them too.
 """
+import functools
+
 import torch
 import torch.distributed as dist
 
 from clipshard.grad_cache import GradCache
-from clipshard.integrations.transformers_models import (CLIP, COVERED, IMAGE_ARGS, SIGLIP, covered_entry, embeddings,
-                                                        logit_scale_and_bias, unwrap)
+from clipshard.integrations.transformers_models import (CLIP, COVERED, IMAGE_ARGS, SIGLIP, TEXT_ARGS, covered_entry,
+                                                        embeddings, logit_scale_and_bias, text_embeddings, unwrap)
 from clipshard.losses.clip import clip_loss
 from clipshard.losses.siglip import siglip_loss
 
@@ -50,21 +55,28 @@ def _rank_weight(local_size, device, group):
     return world_size * local_size / total.item()
 
 
-def global_batch_loss(family, image_embeds, text_embeds, logit_scale, logit_bias=None, *, group=None):
+def global_batch_loss(family, image_embeds, text_embeds, logit_scale, logit_bias=None, *, group=None,
+                      sample_ids=None, targets=None, hard_negatives=None):
     """The loss of the module docstring from normalised embeddings and the already exponentiated
     logit_scale (and SigLIP's logit_bias). family: "clip" or "siglip". group: the process group
-    (default: the world group when torch.distributed is initialised, else one device)."""
+    (default: the world group when torch.distributed is initialised, else one device).
+    sample_ids / targets / hard_negatives (normalised text embeddings of hard negative texts): the
+    losses' keywords of the same names (docs/targets.md); left out of the call when None."""
     if family not in (CLIP, SIGLIP):
         raise ValueError(f"global_batch_loss: family must be 'clip' or 'siglip', got {family!r}")
-    if image_embeds.dtype != text_embeds.dtype:  # e.g. one tower left in fp32 under autocast
-        dtype = torch.promote_types(image_embeds.dtype, text_embeds.dtype)
+    dtypes = {image_embeds.dtype, text_embeds.dtype} | ({hard_negatives.dtype} if hard_negatives is not None else set())
+    if len(dtypes) > 1:  # e.g. one tower left in fp32 under autocast
+        dtype = functools.reduce(torch.promote_types, dtypes)
         image_embeds, text_embeds = image_embeds.to(dtype), text_embeds.to(dtype)
+        hard_negatives = None if hard_negatives is None else hard_negatives.to(dtype)
+    extras = {k: v for k, v in dict(sample_ids=sample_ids, targets=targets, hard_negatives=hard_negatives).items()
+              if v is not None}
     group = _active_group(group)
     if family == SIGLIP:
-        loss = siglip_loss(image_embeds, text_embeds, logit_scale, logit_bias, group=group)
+        loss = siglip_loss(image_embeds, text_embeds, logit_scale, logit_bias, group=group, **extras)
     else:
         loss = clip_loss(image_embeds, text_embeds, logit_scale, logit_bias, local_loss=True,
-                         gather_with_grad=True, group=group)
+                         gather_with_grad=True, group=group, **extras)
     if group is None or dist.get_world_size(group) == 1:
         return loss
     return loss * _rank_weight(image_embeds.shape[0], image_embeds.device, group)
@@ -91,11 +103,20 @@ def loss_from_output(model, output, *, group=None):
     return loss_from_embeddings(model, output.image_embeds, output.text_embeds, group=group)
 
 
-def grad_cache_loss(model, entry, arguments, micro_batch_size):
+def negative_embeddings(model, entry, arguments, negative_texts):
+    """The normalised text embeddings of hard negative texts (their text tower arguments, e.g.
+    input_ids and attention_mask), with the forward's shared options (output_attentions, ...)."""
+    options = {k: v for k, v in arguments.items() if k not in IMAGE_ARGS + TEXT_ARGS}
+    return text_embeddings(model, entry, {**negative_texts, **options})
+
+
+def grad_cache_loss(model, entry, arguments, micro_batch_size, *, sample_ids=None, targets=None, negative_texts=None):
     """global_batch_loss of `model` (entry's class) for its forward's keyword `arguments`, through
     clipshard.GradCache in micro-batches of micro_batch_size rows. It runs inside the model's
     forward, which DDP (Trainer, accelerate) may wrap: the loss carries the parameters' gradients
-    through its own graph, so DDP sees each parameter's gradient once per step."""
+    through its own graph, so DDP sees each parameter's gradient once per step. sample_ids go to the
+    loss whole; negative_texts (hard negatives' text arguments) run through get_text_features in
+    micro-batches too."""
     tensors = {k: v for k, v in arguments.items() if torch.is_tensor(v)}
     images = {k: v for k, v in tensors.items() if k in IMAGE_ARGS}
     texts = {k: v for k, v in tensors.items() if k not in IMAGE_ARGS}
@@ -105,7 +126,12 @@ def grad_cache_loss(model, entry, arguments, micro_batch_size):
         image, text, _, _ = embeddings(model, entry, {**image_args, **text_args, **options})
         return (image, text, *logit_scale_and_bias(model, entry, image.device))
 
-    def loss(image, text, scale, bias):
-        return global_batch_loss(entry.family, image, text, scale, bias)
+    def loss(image, text, scale, bias, **extras):
+        return global_batch_loss(entry.family, image, text, scale, bias, targets=targets, **extras)
 
-    return GradCache(towers, loss, micro_batch_size, parameters=model.parameters())(images, texts)
+    def encode_text(text_args):
+        return negative_embeddings(model, entry, options, text_args)
+
+    cache = GradCache(towers, loss, micro_batch_size, parameters=model.parameters(),
+                      encode_text=encode_text if negative_texts else None)
+    return cache(images, texts, sample_ids=sample_ids, hard_negative_texts=negative_texts or None)

@@ -69,6 +69,10 @@ NOT_COVERED = ("AlignModel", "BlipModel", "BridgeTowerForContrastiveLearning", "
 # forward arguments that only one tower takes; everything else (output_attentions, ...) goes to both
 IMAGE_ARGS = ("pixel_values", "interpolate_pos_encoding", "pixel_attention_mask", "spatial_shapes")
 TEXT_ARGS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
+# the patched forwards' own keywords (issue 33): the pairs' ids, their targets, and hard negative texts
+# as hard_negative_<text argument> (hard_negative_input_ids, hard_negative_attention_mask, ...)
+NEGATIVE_PREFIX = "hard_negative_"
+EXTRA_ARGS = ("sample_ids", "targets", *(NEGATIVE_PREFIX + name for name in TEXT_ARGS))
 
 
 def covered_entry(model_or_class):
@@ -101,6 +105,13 @@ def embeddings(model, entry, arguments):
     image, vision_output = structure.features(model.get_image_features, {**image_args, **shared})
     text, text_output = structure.features(model.get_text_features, {**text_args, **shared})
     return _normalise(entry, image), _normalise(entry, text), vision_output, text_output
+
+
+def text_embeddings(model, entry, arguments):
+    """The normalised text embeddings of `arguments` (text tower arguments and shared options), as
+    the forward computes text_embeds: what hard negative texts go through."""
+    text_args = {k: v for k, v in arguments.items() if k not in IMAGE_ARGS}
+    return _normalise(entry, structure.features(model.get_text_features, text_args)[0])
 
 
 def logit_scale_and_bias(model, entry, device):

@@ -23,7 +23,7 @@ import torch
 from clipshard.integrations import transformers_models as models
 from clipshard.integrations import transformers_structure as structure
 from clipshard.integrations.supported_import import TRANSFORMERS
-from clipshard.integrations.transformers_loss import global_batch_loss, grad_cache_loss
+from clipshard.integrations.transformers_loss import global_batch_loss, grad_cache_loss, negative_embeddings
 
 _LOG = logging.getLogger("clipshard")
 _FN = "clipshard.apply_to_transformers"
@@ -34,12 +34,25 @@ def import_transformers(fn=_FN):
     return TRANSFORMERS.import_checked(fn)
 
 
+def _with_extra_keywords(signature):
+    """`signature` with the patched forward's own keyword-only parameters (models.EXTRA_ARGS: sample_ids,
+    targets, hard_negative_input_ids, ...), before its **kwargs: what Trainer's remove_unused_columns reads,
+    so that dataset columns of those names reach the forward."""
+    parameters = list(signature.parameters.values())
+    at = next((i for i, p in enumerate(parameters) if p.kind is p.VAR_KEYWORD), len(parameters))
+    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
+             for name in models.EXTRA_ARGS if name not in signature.parameters]
+    return signature.replace(parameters=parameters[:at] + added + parameters[at:])
+
+
 def _with_global_loss(original, entry, logits, micro_batch_size):
     """The forward that replaces `original` (entry's class's own forward)."""
     signature = inspect.signature(original)
 
-    @functools.wraps(original)  # keeps the signature Trainer inspects (remove_unused_columns, loss kwargs)
+    @functools.wraps(original)  # keeps the name, docstring and (with the extras below) the signature Trainer reads
     def forward(self, *args, **kwargs):
+        # the loss's own keywords (issue 33); they change only the loss, so calls without return_loss ignore them
+        extras = {name: kwargs.pop(name) for name in models.EXTRA_ARGS if name in kwargs}
         # return_dict is a parameter in 4.5x's signatures, a keyword their wrapper takes in later ones
         return_dict = kwargs.get("return_dict")
         arguments = signature.bind(self, *args, **{k: v for k, v in kwargs.items() if k != "return_dict"}).arguments
@@ -49,8 +62,15 @@ def _with_global_loss(original, entry, logits, micro_batch_size):
         return_dict = arguments.pop("return_dict", return_dict)
         if return_dict is None:
             return_dict = getattr(self.config, "return_dict", True)
+        ids = {k: extras[k] for k in ("sample_ids", "targets") if extras.get(k) is not None}
+        negative_texts = {k.removeprefix(models.NEGATIVE_PREFIX): v for k, v in extras.items()
+                          if k.startswith(models.NEGATIVE_PREFIX) and v is not None}
+        if negative_texts and "input_ids" not in negative_texts:
+            raise ValueError(f"{_FN}: hard negative texts need hard_negative_input_ids, got only "
+                             f"{', '.join(models.NEGATIVE_PREFIX + k for k in negative_texts)}")
         if micro_batch_size is not None and torch.is_grad_enabled():
-            output = entry.output_class()(loss=grad_cache_loss(self, entry, arguments, micro_batch_size))
+            loss = grad_cache_loss(self, entry, arguments, micro_batch_size, negative_texts=negative_texts, **ids)
+            output = entry.output_class()(loss=loss)
             return output if return_dict else output.to_tuple()
         fields = None if logits else _embeddings_without_logits(self, entry, arguments)
         if fields is None:
@@ -58,10 +78,12 @@ def _with_global_loss(original, entry, logits, micro_batch_size):
             fields = dict(output.items())
         image, text = fields["image_embeds"], fields["text_embeds"]
         scale, bias = models.logit_scale_and_bias(self, entry, image.device)
-        fields["loss"] = global_batch_loss(entry.family, image, text, scale, bias)
+        negatives = negative_embeddings(self, entry, arguments, negative_texts) if negative_texts else None
+        fields["loss"] = global_batch_loss(entry.family, image, text, scale, bias, hard_negatives=negatives, **ids)
         output = entry.output_class()(**fields)  # the dataclass's field order: loss first
         return output if return_dict else output.to_tuple()
 
+    forward.__signature__ = _with_extra_keywords(signature)
     forward.clipshard_patched = True
     return forward
 

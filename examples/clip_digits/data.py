@@ -122,12 +122,18 @@ def rank_batch(data: DigitsData, batch_size: int, seed: int, step: int, rank: in
     return data.train_images[indices], data.caption_ids[labels, which], labels
 
 
-def contrastive_loss_floor(data: DigitsData, batch_size: int, seed: int, steps: int, samples: int = 50) -> float:
+def contrastive_loss_floor(data: DigitsData, batch_size: int, seed: int, steps: int, targets: str | None = None,
+                           samples: int = 50) -> float:
     """The lowest expected loss any model can reach on these batches.
 
     A caption says which digit, not which image: an image whose digit appears k times in the
     global batch cannot tell its own caption from the other k - 1, so its row (and column) costs
-    at least log k. Averaged over `samples` of the run's batches."""
+    at least log k. Averaged over `samples` of the run's batches. The same holds for targets
+    "multi" (the digit as sample id; the row term is lse - mean of the k same-digit logits, at
+    least log k, reached when those k are equal and the others far below). With "mask" the other
+    k - 1 leave the denominator, so the floor is 0 (approached as other digits' logits fall)."""
+    if targets == "mask":
+        return 0.0
     floors = []
     for step in torch.linspace(0, steps - 1, min(samples, steps)).long().tolist():
         labels = data.train_labels[global_batch_indices(len(data.train_labels), batch_size, seed, step)]

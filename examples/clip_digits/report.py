@@ -8,13 +8,20 @@ def format_table(rows: list[tuple[str, str]]) -> str:
     return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
 
 
+def _floor_reason(config: dict) -> str:
+    if config.get("sample_ids", "none") == "none":
+        return "same-digit pairs are indistinguishable"
+    if config.get("targets") == "mask":
+        return "the digit is the sample id, same-digit pairs masked out of the denominators"
+    return "the digit is the sample id, same-digit pairs are all positives"
+
+
 def summary_rows(metrics: dict) -> list[tuple[str, str]]:
     config = metrics["config"]
     rows = [
         ("zero-shot accuracy (held out)", f"{100 * metrics['zero_shot_accuracy']:.1f}%  "
                                           f"({metrics['num_test_images']} images never trained on)"),
-        ("final loss", f"{metrics['final_loss']:.4f}  (floor {metrics['loss_floor']:.4f}: same-digit pairs "
-                       "are indistinguishable)"),
+        ("final loss", f"{metrics['final_loss']:.4f}  (floor {metrics['loss_floor']:.4f}: {_floor_reason(config)})"),
         (f"peak loss memory per rank ({config['loss']})", _mib(metrics["peak_loss_memory_bytes"])),
     ]
     for name, value in metrics.get("peak_loss_memory_bytes_by_loss", {}).items():

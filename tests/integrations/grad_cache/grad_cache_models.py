@@ -26,9 +26,13 @@ class TinyClip(nn.Module):
         self.to(dtype)
         self.as_tuple, self.with_bias = as_tuple, with_bias
 
+    def encode_text(self, tokens):
+        """The text tower alone: normalised features (what hard negative texts go through)."""
+        return F.normalize(self.text(tokens).mean(dim=1).to(self.image[0].weight.dtype), dim=-1)
+
     def forward(self, images, tokens):
         image = F.normalize(self.image(images.to(self.image[0].weight.dtype)), dim=-1)
-        text = F.normalize(self.text(tokens).mean(dim=1).to(image.dtype), dim=-1)
+        text = self.encode_text(tokens).to(image.dtype)
         scale = self.logit_scale.exp()
         if self.as_tuple:
             return (image, text, scale, self.logit_bias.clone()) if self.with_bias else (image, text, scale)
