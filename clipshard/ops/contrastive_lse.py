@@ -21,7 +21,7 @@ from clipshard.ops.portable_lse import contrastive_lse_backward_torch, contrasti
 ALGORITHMS = ("auto", "fused", "chunked", "torch")
 
 @torch.library.register_fake("clipshard::contrastive_lse_forward")
-def _forward_fake(rows, cols, scale, bias, pos_offset, want_col_lse, algorithm, workspace_bytes):
+def _forward_fake(rows, cols, scale, bias, pos_offset, row_ids, col_ids, want_col_lse, algorithm, workspace_bytes):
     torch._check(rows.dim() == 2 and cols.dim() == 2, lambda: "contrastive_lse_forward: rows and cols must be 2-D")
     torch._check(rows.shape[1] == cols.shape[1],
                  lambda: "contrastive_lse_forward: rows and cols must have the same feature size D")
@@ -32,16 +32,16 @@ def _forward_fake(rows, cols, scale, bias, pos_offset, want_col_lse, algorithm, 
 
 
 @torch.library.register_fake("clipshard::contrastive_lse_backward")
-def _backward_fake(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, pos_offset, row_lse,
-                   col_lse, algorithm, workspace_bytes):
+def _backward_fake(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, pos_offset, row_ids, col_ids,
+                   row_lse, col_lse, algorithm, workspace_bytes):
     grad_bias = bias.new_empty(()) if bias is not None else scale.new_empty(())
     return rows.new_empty(rows.shape), cols.new_empty(cols.shape), scale.new_empty(()), grad_bias
 
 
 def _setup_context(ctx, inputs, output):
-    rows, cols, scale, bias, pos_offset, want_col_lse, algorithm, workspace_bytes = inputs
+    rows, cols, scale, bias, pos_offset, row_ids, col_ids, want_col_lse, algorithm, workspace_bytes = inputs
     row_lse, _, col_lse = output
-    ctx.save_for_backward(rows, cols, scale, bias, row_lse, col_lse if want_col_lse else None)
+    ctx.save_for_backward(rows, cols, scale, bias, row_ids, col_ids, row_lse, col_lse if want_col_lse else None)
     ctx.pos_offset = pos_offset
     ctx.want_col_lse = want_col_lse
     ctx.set_materialize_grads(False)  # an unused col_lse hands back None, not zeros: its term is skipped
@@ -50,7 +50,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_row_lse, grad_pos_logit, grad_col_lse):
-    rows, cols, scale, bias, row_lse, col_lse = ctx.saved_tensors
+    rows, cols, scale, bias, row_ids, col_ids, row_lse, col_lse = ctx.saved_tensors
     # Outputs that did not take part in the loss may hand back None (or zeros, which are harmless).
     if grad_row_lse is None:
         grad_row_lse = torch.zeros_like(row_lse)
@@ -59,9 +59,10 @@ def _backward(ctx, grad_row_lse, grad_pos_logit, grad_col_lse):
     if not ctx.want_col_lse:
         grad_col_lse = None
     grad_rows, grad_cols, grad_scale, grad_bias = torch.ops.clipshard.contrastive_lse_backward(
-        grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, ctx.pos_offset, row_lse,
-        col_lse, ctx.algorithm, ctx.workspace_bytes)
-    return grad_rows, grad_cols, grad_scale, grad_bias if bias is not None else None, None, None, None, None
+        grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, ctx.pos_offset, row_ids, col_ids,
+        row_lse, col_lse, ctx.algorithm, ctx.workspace_bytes)
+    return (grad_rows, grad_cols, grad_scale, grad_bias if bias is not None else None,
+            None, None, None, None, None, None)
 
 
 torch.library.register_autograd("clipshard::contrastive_lse_forward", _backward, setup_context=_setup_context)
@@ -104,7 +105,7 @@ def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=Tru
     budget = _workspace_bytes("contrastive_lse", rows.device, workspace_bytes)
     if algorithm == "torch":
         return contrastive_lse_torch(rows, cols, scale, bias, pos_offset, want_col_lse, budget)
-    return torch.ops.clipshard.contrastive_lse_forward(rows, cols, scale, bias, pos_offset, want_col_lse,
+    return torch.ops.clipshard.contrastive_lse_forward(rows, cols, scale, bias, pos_offset, None, None, want_col_lse,
                                                        algorithm, budget)
 
 
@@ -120,5 +121,5 @@ def contrastive_lse_backward(grad_row_lse, grad_pos_logit, grad_col_lse, rows, c
         return contrastive_lse_backward_torch(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias,
                                               pos_offset, row_lse, col_lse, budget)
     return torch.ops.clipshard.contrastive_lse_backward(
-        grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, pos_offset, row_lse, col_lse,
+        grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, pos_offset, None, None, row_lse, col_lse,
         algorithm, budget)
