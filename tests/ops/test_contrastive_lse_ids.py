@@ -202,10 +202,10 @@ def test_ids_are_checked():
         OPS.contrastive_lse_forward(rows, cols, s, None, 0, ids_r, None, True, "fused", WS)
     with pytest.raises(RuntimeError, match=r"col_ids must be a 1-D int64 tensor of length 6 on cpu, got Int"):
         OPS.contrastive_lse_forward(rows, cols, s, None, 0, ids_r, ids_c.int(), True, "chunked", WS)
-    with pytest.raises(RuntimeError, match=r"row_ids must be a 1-D int64 tensor of length 4 on cpu, got Long of shape \[3\]"):
+    with pytest.raises(RuntimeError, match=r"row_ids must be a 1-D int64 tensor of length 4 on cpu, got Long of shape"):
         OPS.contrastive_lse_backward(torch.ones(4), torch.ones(4), None, rows, cols, s, None, 0, ids_r[:3], ids_c,
                                      torch.ones(4), None, "fused", WS)
-    with pytest.raises(RuntimeError, match="pos_offset must satisfy 0 <= pos_offset and pos_offset \\+ M <= K, or be -1"):
+    with pytest.raises(RuntimeError, match=r"pos_offset must satisfy 0 <= pos_offset and .*, or be -1 \(no positives\)"):
         OPS.contrastive_lse_forward(rows, cols, s, None, -2, None, None, True, "fused", WS)
 
 
@@ -246,7 +246,8 @@ def test_cuda_fused_refuses_ids_and_takes_no_positives():
     rows, cols = features(m, d, torch.float32, 1, "cuda"), features(k, d, torch.float32, 2, "cuda")
     ids_r, ids_c = torch.arange(m, device="cuda"), torch.arange(k, device="cuda")
     with pytest.raises(RuntimeError, match='algorithm="chunked"'):
-        OPS.contrastive_lse_forward(rows, cols, torch.tensor(2.0, device="cuda"), None, 0, ids_r, ids_c, True, "fused", WS)
+        OPS.contrastive_lse_forward(rows, cols, torch.tensor(2.0, device="cuda"), None, 0, ids_r, ids_c, True, "fused",
+                                    WS)
     with pytest.raises(RuntimeError, match='algorithm="chunked"'):
         OPS.contrastive_lse_backward(torch.ones(m, device="cuda"), torch.ones(m, device="cuda"), None, rows, cols,
                                      torch.tensor(2.0, device="cuda"), None, 0, ids_r, ids_c,

@@ -77,6 +77,11 @@ def _contrastive_inputs(device, dtype, seed):
             _scalar(14.3, dtype, device), _scalar(-1.0, dtype, device))
 
 
+class NanOutputs(tuple):
+    """Arguments whose outputs hold NaN by design (pos_offset -1: NaN positive logits): every check but
+    the AOT-dispatch one, which compares outputs without equal_nan."""
+
+
 def _ids(n, device, seed):
     """Sample ids with duplicates (about a third of them shared)."""
     return torch.randint(0, 2 * n // 3, (n,), generator=torch.Generator().manual_seed(seed)).to(device)
@@ -90,10 +95,10 @@ def _contrastive_lse_forward(device):
              (rows, cols, s, b, 0, None, None, False, "chunked", WS),
              (*_grad(rows, cols, s, b), 3, None, None, True, "chunked", WS),
              (*_grad(rows, cols, s, b), 3, *ids, True, "chunked", WS),
-             (*_grad(rows, cols, s, b), -1, *ids, True, "chunked", WS)]  # no positives
+             NanOutputs((*_grad(rows, cols, s, b), -1, *ids, True, "chunked", WS))]  # no positives
     if device == "cpu":  # the fused CUDA kernels refuse ids
-        cases += [(*_grad(rows, cols, s, b), 3, *ids, True, "fused", WS), (*_grad(rows, cols, s, b), -1, *ids, False,
-                                                                          "fused", WS)]
+        cases += [(*_grad(rows, cols, s, b), 3, *ids, True, "fused", WS),
+                  NanOutputs((*_grad(rows, cols, s, b), -1, *ids, False, "fused", WS))]
     return cases + [(*_grad(*_contrastive_inputs(device, _wide(device), 10)), 3, None, None, True, algorithm, WS)
                     for algorithm in ("fused", "chunked")]
 
@@ -178,7 +183,11 @@ def _opcheck(name, device):
     namespace, op_name = name.split("::")
     op = getattr(getattr(torch.ops, namespace), op_name).default
     for args in CASES[name](device):
-        torch.library.opcheck(op, args)
+        if isinstance(args, NanOutputs):
+            torch.library.opcheck(op, tuple(args), test_utils=("test_schema", "test_autograd_registration",
+                                                               "test_faketensor"))
+        else:
+            torch.library.opcheck(op, args)
 
 
 def test_every_registered_op_has_an_opcheck():
