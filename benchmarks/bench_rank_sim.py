@@ -73,14 +73,14 @@ def make_problem(M, K, D, dtype, device):
 
 
 def op_forward(p, algorithm):
-    return ops.contrastive_lse_forward(p["rows"], p["cols"], p["scale"], None, p["pos"], True,
+    return ops.contrastive_lse_forward(p["rows"], p["cols"], p["scale"], None, p["pos"], None, None, True,
                                        algorithm, p["workspace"])
 
 
 def op_forward_backward(p, algorithm):
     row_lse, _, col_lse = op_forward(p, algorithm)
     return ops.contrastive_lse_backward(p["g_row"], p["g_pos"], p["g_col"], p["rows"], p["cols"],
-                                        p["scale"], None, p["pos"], row_lse, col_lse, algorithm,
+                                        p["scale"], None, p["pos"], None, None, row_lse, col_lse, algorithm,
                                         p["workspace"])
 
 
@@ -138,7 +138,7 @@ def ring_forward_backward(p, algorithm):
     row_lse, columns = None, []
     for block in blocks:  # forward: row LSE folded online, column accumulator passed on
         in_flight = block.clone()  # the next block, received while this one is computed
-        row, _, col = ops.contrastive_lse_forward(rows, block, p["scale"], None, 0, True, algorithm,
+        row, _, col = ops.contrastive_lse_forward(rows, block, p["scale"], None, 0, None, None, True, algorithm,
                                                   p["workspace"])
         row_lse = row if row_lse is None else torch.logaddexp(row_lse, row)
         # the travelling accumulator and its received copy; the K floats kept stand in for the full
@@ -149,7 +149,7 @@ def ring_forward_backward(p, algorithm):
     for block, column in zip(blocks, columns):  # backward: recompute, travelling fp32 column gradient
         in_flight = block.clone()
         d_rows, d_cols, _, _ = ops.contrastive_lse_backward(
-            p["g_row"], p["g_pos"], p["g_col"][:M], rows, block, p["scale"], None, 0, row_lse, column, algorithm,
+            p["g_row"], p["g_pos"], p["g_col"][:M], rows, block, p["scale"], None, 0, None, None, row_lse, column, algorithm,
             p["workspace"])
         grad_rows += d_rows
         travelling = torch.zeros(block.shape, dtype=acc, device=rows.device).add_(d_cols)  # received + own

@@ -35,18 +35,22 @@ TORCH_LIBRARY(clipshard, m) {
   // algorithm: "fused" (tile kernels: the CPU default) or "chunked" (GEMMs over column chunks with
   // fused elementwise kernels, an O(M x Kc) workspace of at most about workspace_bytes: the CUDA
   // default; docs/fused_loss_cuda.md). Every path is deterministic (no float atomics, fixed
-  // reduction order).
+  // reduction order). pos_offset == -1: no positives (pos_logit is NaN). row_ids [M] / col_ids [K]
+  // (int64, both or neither): pairs with row_ids[i] == col_ids[j] other than the positive j ==
+  // pos_offset + i are excluded from both LSEs (as if S[i, j] = -inf) and get dS = 0; the CUDA
+  // "fused" kernels refuse ids.
   m.def(
       "contrastive_lse_forward(Tensor rows, Tensor cols, Tensor scale, Tensor? bias, int pos_offset, "
-      "bool want_col_lse, str algorithm, int workspace_bytes) -> (Tensor row_lse, "
+      "Tensor? row_ids, Tensor? col_ids, bool want_col_lse, str algorithm, int workspace_bytes) -> (Tensor row_lse, "
       "Tensor pos_logit, Tensor col_lse)");
   // Backward: dS[i, j] = grad_row_lse[i] * exp(S[i, j] - row_lse[i])
-  //                    + grad_col_lse[j] * exp(S[i, j] - col_lse[j]) + grad_pos_logit[i] * [j == pos(i)],
+  //                    + grad_col_lse[j] * exp(S[i, j] - col_lse[j]) + grad_pos_logit[i] * [j == pos(i)]
+  // (0 at the pairs that ids exclude),
   // recomputed tile by tile; returns (d rows, d cols, d scale, d bias).
   m.def(
       "contrastive_lse_backward(Tensor grad_row_lse, Tensor grad_pos_logit, Tensor? grad_col_lse, "
-      "Tensor rows, Tensor cols, Tensor scale, Tensor? bias, int pos_offset, Tensor row_lse, "
-      "Tensor? col_lse, str algorithm, int workspace_bytes) -> (Tensor grad_rows, "
+      "Tensor rows, Tensor cols, Tensor scale, Tensor? bias, int pos_offset, Tensor? row_ids, "
+      "Tensor? col_ids, Tensor row_lse, Tensor? col_lse, str algorithm, int workspace_bytes) -> (Tensor grad_rows, "
       "Tensor grad_cols, Tensor grad_scale, Tensor grad_bias)");
 
   // SigLIP (docs/siglip.md): loss_sum = sum_{i < M, j < K} softplus(-z_ij * l_ij) with l_ij = scale *

@@ -28,7 +28,7 @@ from clipshard.ops.same_id import same_id_logit_sums
 ALGORITHMS = ("auto", "fused", "chunked", "torch")
 
 @torch.library.register_fake("clipshard::contrastive_lse_forward")
-def _forward_fake(rows, cols, scale, bias, pos_offset, want_col_lse, algorithm, workspace_bytes):
+def _forward_fake(rows, cols, scale, bias, pos_offset, row_ids, col_ids, want_col_lse, algorithm, workspace_bytes):
     torch._check(rows.dim() == 2 and cols.dim() == 2, lambda: "contrastive_lse_forward: rows and cols must be 2-D")
     torch._check(rows.shape[1] == cols.shape[1],
                  lambda: "contrastive_lse_forward: rows and cols must have the same feature size D")
@@ -39,16 +39,16 @@ def _forward_fake(rows, cols, scale, bias, pos_offset, want_col_lse, algorithm, 
 
 
 @torch.library.register_fake("clipshard::contrastive_lse_backward")
-def _backward_fake(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, pos_offset, row_lse,
-                   col_lse, algorithm, workspace_bytes):
+def _backward_fake(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, pos_offset, row_ids, col_ids,
+                   row_lse, col_lse, algorithm, workspace_bytes):
     grad_bias = bias.new_empty(()) if bias is not None else scale.new_empty(())
     return rows.new_empty(rows.shape), cols.new_empty(cols.shape), scale.new_empty(()), grad_bias
 
 
 def _setup_context(ctx, inputs, output):
-    rows, cols, scale, bias, pos_offset, want_col_lse, algorithm, workspace_bytes = inputs
+    rows, cols, scale, bias, pos_offset, row_ids, col_ids, want_col_lse, algorithm, workspace_bytes = inputs
     row_lse, _, col_lse = output
-    ctx.save_for_backward(rows, cols, scale, bias, row_lse, col_lse if want_col_lse else None)
+    ctx.save_for_backward(rows, cols, scale, bias, row_ids, col_ids, row_lse, col_lse if want_col_lse else None)
     ctx.pos_offset = pos_offset
     ctx.want_col_lse = want_col_lse
     ctx.set_materialize_grads(False)  # an unused col_lse hands back None, not zeros: its term is skipped
@@ -57,7 +57,7 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, grad_row_lse, grad_pos_logit, grad_col_lse):
-    rows, cols, scale, bias, row_lse, col_lse = ctx.saved_tensors
+    rows, cols, scale, bias, row_ids, col_ids, row_lse, col_lse = ctx.saved_tensors
     # Outputs that did not take part in the loss may hand back None (or zeros, which are harmless).
     if grad_row_lse is None:
         grad_row_lse = torch.zeros_like(row_lse)
@@ -66,26 +66,26 @@ def _backward(ctx, grad_row_lse, grad_pos_logit, grad_col_lse):
     if not ctx.want_col_lse:
         grad_col_lse = None
     grad_rows, grad_cols, grad_scale, grad_bias = torch.ops.clipshard.contrastive_lse_backward(
-        grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, ctx.pos_offset, row_lse,
-        col_lse, ctx.algorithm, ctx.workspace_bytes)
-    return grad_rows, grad_cols, grad_scale, grad_bias if bias is not None else None, None, None, None, None
+        grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, ctx.pos_offset, row_ids, col_ids,
+        row_lse, col_lse, ctx.algorithm, ctx.workspace_bytes)
+    return (grad_rows, grad_cols, grad_scale, grad_bias if bias is not None else None,
+            None, None, None, None, None, None)
 
 
 torch.library.register_autograd("clipshard::contrastive_lse_forward", _backward, setup_context=_setup_context)
 
 
-def _compiled_supports(pos_offset, row_ids):
-    """Whether the compiled kernels take this call: not yet sample ids nor pos_offset None (the
-    schema's -1); those calls run the torch path until the kernels take them."""
-    return pos_offset is not None and row_ids is None
+def _schema_pos_offset(pos_offset):
+    """The schema's pos_offset: -1 for None (no positives)."""
+    return -1 if pos_offset is None else pos_offset
 
 
 def _block(rows, cols, scale, bias, pos_offset, want_col_lse, row_ids, col_ids, algorithm, budget):
     """The op's three outputs for checked arguments (row_ids / col_ids: the "mask" exclusion)."""
-    if algorithm == "torch" or not _compiled_supports(pos_offset, row_ids):
+    if algorithm == "torch":
         return contrastive_lse_torch(rows, cols, scale, bias, pos_offset, want_col_lse, budget, row_ids, col_ids)
-    return torch.ops.clipshard.contrastive_lse_forward(rows, cols, scale, bias, pos_offset, want_col_lse,
-                                                       algorithm, budget)
+    return torch.ops.clipshard.contrastive_lse_forward(rows, cols, scale, bias, _schema_pos_offset(pos_offset),
+                                                       row_ids, col_ids, want_col_lse, algorithm, budget)
 
 
 def mean_positive(logit_sum, count):
@@ -122,8 +122,8 @@ def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=Tru
             fp16/bf16 when D % 8 == 0), "chunked" (cuBLAS GEMMs over column chunks, fused
             elementwise kernels; on fp32 CUDA inputs TF32 follows
             torch.backends.cuda.matmul.allow_tf32) or "torch" (the chunked algorithm in PyTorch
-            operations, on any device; docs/portable.md). Calls with ids or pos_offset None run
-            "torch" for now, whatever is asked.
+            operations, on any device; docs/portable.md). The CUDA "fused" kernels refuse
+            targets "mask" (use "chunked", CUDA's default, or "torch").
         workspace_bytes: memory budget of the chunked algorithms' workspace (default 256 MiB on
             CUDA, 32 MiB elsewhere); its chunks are the widest multiple of 128 columns that fits.
 
@@ -167,9 +167,9 @@ def contrastive_lse_backward(grad_row_lse, grad_pos_logit, grad_col_lse, rows, c
         check_targets(fn, "mask", rows, cols, row_ids, col_ids)
     algorithm = first_use.resolve("contrastive_lse", algorithm, rows.device, ALGORITHMS, rows.dtype)
     budget = _workspace_bytes("contrastive_lse", rows.device, workspace_bytes)
-    if algorithm == "torch" or not _compiled_supports(pos_offset, row_ids):
+    if algorithm == "torch":
         return contrastive_lse_backward_torch(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias,
                                               pos_offset, row_lse, col_lse, budget, row_ids, col_ids)
     return torch.ops.clipshard.contrastive_lse_backward(
-        grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, pos_offset, row_lse, col_lse,
-        algorithm, budget)
+        grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, _schema_pos_offset(pos_offset), row_ids,
+        col_ids, row_lse, col_lse, algorithm, budget)

@@ -86,9 +86,10 @@ def _lse_inputs(dtypes):
 
 
 def _lse_compiled(algorithm, dtypes, rows, cols, scale, bias, g_row, g_pos, g_col):
-    outs = torch.ops.clipshard.contrastive_lse_forward(rows, cols, scale, bias, POS_OFFSET, True, algorithm, WORKSPACE)
+    outs = torch.ops.clipshard.contrastive_lse_forward(rows, cols, scale, bias, POS_OFFSET, None, None, True, algorithm,
+                                                       WORKSPACE)
     grads = torch.ops.clipshard.contrastive_lse_backward(g_row, g_pos, g_col, rows, cols, scale, bias, POS_OFFSET,
-                                                         outs[0], outs[2], algorithm, WORKSPACE)
+                                                         None, None, outs[0], outs[2], algorithm, WORKSPACE)
     return [*outs, *grads]
 
 

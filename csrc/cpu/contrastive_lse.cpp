@@ -9,6 +9,12 @@
 //
 // The bias is a constant added to every logit: it shifts every LSE and positive logit by the same
 // amount and cancels in every softmax, so the tiles never see it.
+//
+// Sample ids (row_ids, col_ids): a tile's excluded pairs (same id, not the positive) become -inf
+// after the tile's range is taken, so a narrow tile still takes the one-exponential path (exp(-inf
+// - hi) = 0) and only rows / columns with at least one kept logit in the tile are merged; in the
+// backward dS is computed as without ids and then overwritten with 0 at the excluded pairs (any
+// Inf / NaN that an entirely excluded row or column produced there is discarded with it).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/ThreadLocalState.h>
@@ -24,6 +30,7 @@
 #include "contrastive_lse_chunked.h"
 #include "cpu_tiles.h"
 #include "../block_args.h"
+#include "../contrastive_ids.h"
 #include "../chunked/algorithm.h"
 
 namespace clipshard {
@@ -44,11 +51,35 @@ void check_vector(const char* op, const char* name, const at::Tensor& t, int64_t
               rows.device(), "), got ", t.device());
 }
 
+// Sample ids of one tile: row i0 + i has id rid[i], column j0 + j id cid[j], and row i's positive is
+// the tile's column own0 + i (outside [0, bk) when not in this tile). Null rid: no ids.
+struct TileIds {
+  const int64_t* rid;
+  const int64_t* cid;
+  int64_t own0;
+};
+
+TileIds tile_ids(const int64_t* row_ids, const int64_t* col_ids, int64_t pos_offset, int64_t i0, int64_t j0) {
+  if (row_ids == nullptr) return {nullptr, nullptr, 0};
+  return {row_ids + i0, col_ids + j0, pos_offset + i0 - j0};
+}
+
+// Writes `value` at the tile's excluded pairs: same id, not the row's positive.
+template <typename acc_t>
+void set_excluded(acc_t* t, int64_t bm, int64_t bk, const TileIds& ids, acc_t value) {
+  for (int64_t i = 0; i < bm; ++i) {
+    const int64_t a = ids.rid[i], own = ids.own0 + i;
+    acc_t* ti = t + i * bk;
+    for (int64_t j = 0; j < bk; ++j)
+      if (ids.cid[j] == a && j != own) ti[j] = value;
+  }
+}
+
 // ---------------------------------------------------------------------------------------- forward
 
 template <typename acc_t>
-void forward_impl(const at::Tensor& A, const at::Tensor& B, acc_t scale, int64_t pos_offset, bool want_col,
-                  acc_t* row_lse, acc_t* pos_logit, acc_t* col_lse) {
+void forward_impl(const at::Tensor& A, const at::Tensor& B, acc_t scale, int64_t pos_offset, const int64_t* row_ids,
+                  const int64_t* col_ids, bool want_col, acc_t* row_lse, acc_t* pos_logit, acc_t* col_lse) {
   const int64_t M = A.size(0), K = B.size(0);
   const int64_t n_blocks = ceil_div(M, kRowBlock);
   const int64_t n_chunks = std::min<int64_t>(at::get_num_threads(), n_blocks);
@@ -83,19 +114,27 @@ void forward_impl(const at::Tensor& A, const at::Tensor& B, acc_t scale, int64_t
           }
           at::Tensor rows_out = row_vec.narrow(0, 0, bm), cols_out = col_vec.narrow(0, 0, bk);
           acc_t hi;
-          if (narrow_range(tile, hi)) {
-            // One exponential per logit, shared by row and column sums.
+          const bool narrow = narrow_range(tile, hi);  // over every logit of the tile, excluded or not
+          const TileIds ids = tile_ids(row_ids, col_ids, pos_offset, i0, j0);
+          if (ids.rid) set_excluded(t, bm, bk, ids, -std::numeric_limits<acc_t>::infinity());
+          if (narrow) {
+            // One exponential per logit, shared by row and column sums. A kept logit's exp(S - hi)
+            // is a normal float, so a zero sum means a row / column excluded in this whole tile:
+            // it is not merged (a state {hi, 0} would move the reference to an unrelated hi).
             tile.sub_(hi).exp_();
             at::sum_out(rows_out, tile, 1);
             const acc_t* rs = rows_out.data_ptr<acc_t>();
-            for (int64_t i = 0; i < bm; ++i) r_state[i].merge({hi, rs[i]});
+            for (int64_t i = 0; i < bm; ++i)
+              if (!ids.rid || rs[i] > 0) r_state[i].merge({hi, rs[i]});
             if (want_col) {
               at::sum_out(cols_out, tile, 0);
               const acc_t* cs = cols_out.data_ptr<acc_t>();
-              for (int64_t j = 0; j < bk; ++j) c_state[j0 + j].merge({hi, cs[j]});
+              for (int64_t j = 0; j < bk; ++j)
+                if (!ids.rid || cs[j] > 0) c_state[j0 + j].merge({hi, cs[j]});
             }
             continue;
           }
+          // (An entirely excluded row / column has maximum -inf: reference 0, sum 0, an empty state.)
           // Wide range: shift each column by its own maximum, then each row by its own maximum.
           if (want_col) {
             at::amax_out(cols_out, tile, 0);
@@ -131,12 +170,17 @@ void forward_impl(const at::Tensor& A, const at::Tensor& B, acc_t scale, int64_t
   }
 }
 
+const int64_t* ids_ptr(const at::Tensor& ids) { return ids.defined() ? ids.const_data_ptr<int64_t>() : nullptr; }
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> contrastive_lse_forward_cpu(
     const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
-    int64_t pos_offset, bool want_col_lse, c10::string_view algorithm, int64_t workspace_bytes) {
+    int64_t pos_offset, const std::optional<at::Tensor>& row_ids, const std::optional<at::Tensor>& col_ids,
+    bool want_col_lse, c10::string_view algorithm, int64_t workspace_bytes) {
   const char* op = "contrastive_lse_forward";
   at::AutoDispatchBelowADInplaceOrView below_autograd;  // internal tensor maths is not differentiated
-  check_block_inputs(op, rows, cols, scale, bias, pos_offset);
+  check_block_inputs(op, rows, cols, scale, bias, std::nullopt);
+  const int64_t pos = kernel_pos_offset(op, pos_offset, rows.size(0), cols.size(0));
+  const SampleIds ids = checked_ids(op, row_ids, col_ids, rows, cols);
   const bool chunked = parse_algorithm(op, algorithm) == Algorithm::kChunked;
   const auto acc = acc_type_of(rows.scalar_type());
   const at::Tensor A = rows.to(acc).contiguous(), B = cols.to(acc).contiguous();
@@ -144,15 +188,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> contrastive_lse_forward_cpu(
   at::Tensor row_lse, pos_logit, col_lse;
   if (chunked) {
     std::tie(row_lse, pos_logit, col_lse) = contrastive_lse_forward_chunked_cpu(
-        A, B, scale.item<double>(), pos_offset, want_col_lse, workspace_bytes);
+        A, B, scale.item<double>(), pos, ids_ptr(ids.rows), ids_ptr(ids.cols), want_col_lse, workspace_bytes);
   } else {
     row_lse = at::empty({M}, A.options()), pos_logit = at::empty({M}, A.options());
     col_lse = at::empty({want_col_lse ? K : 0}, A.options());
     AT_DISPATCH_FLOATING_TYPES(acc, "contrastive_lse_forward_cpu", [&] {
-      forward_impl<scalar_t>(A, B, scale.item<scalar_t>(), pos_offset, want_col_lse, row_lse.data_ptr<scalar_t>(),
-                             pos_logit.data_ptr<scalar_t>(), want_col_lse ? col_lse.data_ptr<scalar_t>() : nullptr);
+      forward_impl<scalar_t>(A, B, scale.item<scalar_t>(), pos, ids_ptr(ids.rows), ids_ptr(ids.cols), want_col_lse,
+                             row_lse.data_ptr<scalar_t>(), pos_logit.data_ptr<scalar_t>(),
+                             want_col_lse ? col_lse.data_ptr<scalar_t>() : nullptr);
     });
   }
+  if (pos_offset == -1) pos_logit.fill_(std::numeric_limits<double>::quiet_NaN());  // no positives
   if (bias.has_value()) {  // a constant logit shift moves every LSE and positive by the same amount
     const at::Tensor b = bias->to(acc);
     row_lse.add_(b);
@@ -181,7 +227,7 @@ struct BackwardArgs {
 // exponentials; one exponential per logit where the tile's range allows) for speed.
 template <typename acc_t>
 void tile_grad(at::Tensor& tile, at::Tensor& exp_buf, std::vector<acc_t>& a, std::vector<acc_t>& b,
-               const BackwardArgs<acc_t>& p, int64_t i0, int64_t j0, int64_t pos_offset) {
+               const BackwardArgs<acc_t>& p, int64_t i0, int64_t j0, int64_t pos_offset, const TileIds& ids) {
   const int64_t bm = tile.size(0), bk = tile.size(1);
   const auto opts = tile.options();
   acc_t* t = tile.data_ptr<acc_t>();
@@ -223,6 +269,7 @@ void tile_grad(at::Tensor& tile, at::Tensor& exp_buf, std::vector<acc_t>& a, std
       }
     }
   }
+  if (ids.rid) set_excluded(t, bm, bk, ids, acc_t(0));
   for (int64_t i = 0; i < bm; ++i) {
     const int64_t j = pos_offset + i0 + i - j0;
     if (j >= 0 && j < bk) t[i * bk + j] += p.g_pos[i0 + i];
@@ -232,8 +279,9 @@ void tile_grad(at::Tensor& tile, at::Tensor& exp_buf, std::vector<acc_t>& a, std
 // Accumulates G = dS @ B (M x D, unscaled) and Gc = dS^T @ A (K x D, unscaled); returns sum(dS) when
 // want_bias (else 0).
 template <typename acc_t>
-double backward_impl(const at::Tensor& A, const at::Tensor& B, acc_t scale, int64_t pos_offset,
-                     const BackwardArgs<acc_t>& p, bool want_bias, at::Tensor& G, at::Tensor& Gc) {
+double backward_impl(const at::Tensor& A, const at::Tensor& B, acc_t scale, int64_t pos_offset, const int64_t* row_ids,
+                     const int64_t* col_ids, const BackwardArgs<acc_t>& p, bool want_bias, at::Tensor& G,
+                     at::Tensor& Gc) {
   const int64_t M = A.size(0), K = B.size(0), D = A.size(1);
   const int64_t n_blocks = ceil_div(M, kRowBlock);
   const int64_t n_chunks = std::min<int64_t>(at::get_num_threads(), n_blocks);
@@ -267,7 +315,7 @@ double backward_impl(const at::Tensor& A, const at::Tensor& B, acc_t scale, int6
             const at::Tensor b_blk = B.narrow(0, j0, bk);
             at::Tensor tile = scratch_view(tile_buf, bm, bk);
             similarity_tile(tile, a_blk, b_blk, scale);
-            tile_grad(tile, exp_buf, a, b, p, i0, j0, pos_offset);
+            tile_grad(tile, exp_buf, a, b, p, i0, j0, pos_offset, tile_ids(row_ids, col_ids, pos_offset, i0, j0));
             if (want_bias) bias_sum[c] += tile.sum().template item<double>();
             g_blk.addmm_(tile, b_blk);
             gc.narrow(0, j0 - J0, bk).addmm_(tile.t(), a_blk);
@@ -286,11 +334,14 @@ double backward_impl(const at::Tensor& A, const at::Tensor& B, acc_t scale, int6
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> contrastive_lse_backward_cpu(
     const at::Tensor& grad_row_lse, const at::Tensor& grad_pos_logit, const std::optional<at::Tensor>& grad_col_lse,
     const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
-    int64_t pos_offset, const at::Tensor& row_lse, const std::optional<at::Tensor>& col_lse,
-    c10::string_view algorithm, int64_t workspace_bytes) {
+    int64_t pos_offset, const std::optional<at::Tensor>& row_ids, const std::optional<at::Tensor>& col_ids,
+    const at::Tensor& row_lse, const std::optional<at::Tensor>& col_lse, c10::string_view algorithm,
+    int64_t workspace_bytes) {
   const char* op = "contrastive_lse_backward";
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_block_inputs(op, rows, cols, scale, bias, pos_offset);
+  check_block_inputs(op, rows, cols, scale, bias, std::nullopt);
+  const int64_t pos = kernel_pos_offset(op, pos_offset, rows.size(0), cols.size(0));
+  const SampleIds ids = checked_ids(op, row_ids, col_ids, rows, cols);
   const bool chunked = parse_algorithm(op, algorithm) == Algorithm::kChunked;
   const int64_t M = rows.size(0), K = cols.size(0);
   check_vector(op, "grad_row_lse", grad_row_lse, M, rows);
@@ -318,7 +369,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> contrastive_lse_backw
 
   if (chunked) {
     auto [grad_rows, grad_cols, grad_scale, grad_bias] = contrastive_lse_backward_chunked_cpu(
-        g_row, g_pos, g_col, A, B, scale.item<double>(), pos_offset, r_unbiased, c_unbiased, workspace_bytes);
+        g_row, g_pos, g_col, A, B, scale.item<double>(), pos, ids_ptr(ids.rows), ids_ptr(ids.cols), r_unbiased,
+        c_unbiased, workspace_bytes);
     return {grad_rows.to(rows.scalar_type()), grad_cols.to(cols.scalar_type()),
             at::scalar_tensor(grad_scale, scale.options()),
             at::scalar_tensor(bias.has_value() ? grad_bias : 0.0, bias.has_value() ? bias->options() : scale.options())};
@@ -331,7 +383,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> contrastive_lse_backw
                              with_col ? g_col.data_ptr<scalar_t>() : nullptr, r_unbiased.data_ptr<scalar_t>(),
                              with_col ? c_unbiased.data_ptr<scalar_t>() : nullptr};
     const scalar_t s = scale.item<scalar_t>();
-    const double bias_grad = backward_impl<scalar_t>(A, B, s, pos_offset, p, bias.has_value(), G, Gc);
+    const double bias_grad = backward_impl<scalar_t>(A, B, s, pos, ids_ptr(ids.rows), ids_ptr(ids.cols), p,
+                                                     bias.has_value(), G, Gc);
     // d scale = sum(dS * rows @ cols^T) = sum(rows * (dS @ cols)), from the unscaled G.
     grad_scale = at::dot(A.view(-1), G.view(-1)).to(scale.scalar_type());
     grad_bias = bias.has_value() ? at::scalar_tensor(bias_grad, bias->options())

@@ -1,11 +1,14 @@
 // The chunked contrastive_lse on the CPU (see contrastive_lse_chunked.h): per chunk, the row
 // log-sum-exps are carried across chunks in OnlineLse states, the chunk's columns get their exact
 // log-sum-exp over all M rows, and the backward forms dS with softmax_dlogit, all from
-// clipshard/online_lse.h, the same maths the CUDA kernels run.
+// clipshard/online_lse.h, the same maths the CUDA kernels run. With sample ids (kIds) an excluded
+// pair (same id, not the positive) is folded in as -inf (OnlineLse::add(-inf) leaves a state as it
+// is) and gets dS = 0; one id per row and per column is read outside the inner loops' arithmetic.
 #include "contrastive_lse_chunked.h"
 
 #include <ATen/Parallel.h>
 
+#include <limits>
 #include <vector>
 
 #include "../chunked/chunk_driver.h"
@@ -17,10 +20,19 @@ namespace {
 constexpr int64_t kRowGrain = 16;
 constexpr int64_t kColumnBlock = 64;  // columns per task of the column pass
 
-template <typename acc_t>
+// Whether global pair (i, j) is excluded: same id, not row i's positive (always false without ids).
+template <bool kIds>
+bool excluded(const int64_t* row_ids, const int64_t* col_ids, int64_t pos_offset, int64_t i, int64_t j) {
+  if constexpr (kIds) return row_ids[i] == col_ids[j] && j != pos_offset + i;
+  return false;
+}
+
+template <typename acc_t, bool kIds>
 void forward_impl(const at::Tensor& rows, const at::Tensor& cols, acc_t scale, int64_t pos_offset,
-                  bool want_col, int64_t workspace_bytes, acc_t* row_lse, acc_t* pos_logit, acc_t* col_lse) {
+                  const int64_t* row_ids, const int64_t* col_ids, bool want_col, int64_t workspace_bytes,
+                  acc_t* row_lse, acc_t* pos_logit, acc_t* col_lse) {
   const int64_t M = rows.size(0), K = cols.size(0);
+  constexpr acc_t kMinusInf = -std::numeric_limits<acc_t>::infinity();
   const int64_t kc = chunked::chunk_columns(M, K, sizeof(acc_t), workspace_bytes);
   std::vector<OnlineLse<acc_t>> row_state(M, OnlineLse<acc_t>::empty());
   chunked::for_each_chunk(rows, cols, kc, [&](const chunked::Chunk& chunk) {
@@ -29,7 +41,8 @@ void forward_impl(const at::Tensor& rows, const at::Tensor& cols, acc_t scale, i
     at::parallel_for(0, M, kRowGrain, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
         const acc_t* d = dots + i * w;
-        for (int64_t j = 0; j < w; ++j) row_state[i].add(scale * d[j]);
+        for (int64_t j = 0; j < w; ++j)
+          row_state[i].add(excluded<kIds>(row_ids, col_ids, pos_offset, i, begin + j) ? kMinusInf : scale * d[j]);
         const int64_t pos = pos_offset + i - begin;
         if (pos >= 0 && pos < w) pos_logit[i] = scale * d[pos];
       }
@@ -39,7 +52,8 @@ void forward_impl(const at::Tensor& rows, const at::Tensor& cols, acc_t scale, i
       std::vector<OnlineLse<acc_t>> col_state(j1 - j0, OnlineLse<acc_t>::empty());
       for (int64_t i = 0; i < M; ++i) {
         const acc_t* d = dots + i * w;
-        for (int64_t j = j0; j < j1; ++j) col_state[j - j0].add(scale * d[j]);
+        for (int64_t j = j0; j < j1; ++j)
+          col_state[j - j0].add(excluded<kIds>(row_ids, col_ids, pos_offset, i, begin + j) ? kMinusInf : scale * d[j]);
       }
       for (int64_t j = j0; j < j1; ++j) col_lse[begin + j] = col_state[j - j0].value();
     });
@@ -47,26 +61,11 @@ void forward_impl(const at::Tensor& rows, const at::Tensor& cols, acc_t scale, i
   for (int64_t i = 0; i < M; ++i) row_lse[i] = row_state[i].value();
 }
 
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> contrastive_lse_forward_chunked_cpu(
-    const at::Tensor& rows, const at::Tensor& cols, double scale, int64_t pos_offset, bool want_col_lse,
-    int64_t workspace_bytes) {
-  const int64_t M = rows.size(0), K = cols.size(0);
-  at::Tensor row_lse = at::empty({M}, rows.options()), pos_logit = at::empty({M}, rows.options());
-  at::Tensor col_lse = at::empty({want_col_lse ? K : 0}, rows.options());
-  AT_DISPATCH_FLOATING_TYPES(rows.scalar_type(), "contrastive_lse_forward_chunked_cpu", [&] {
-    forward_impl<scalar_t>(rows, cols, static_cast<scalar_t>(scale), pos_offset, want_col_lse, workspace_bytes,
-                           row_lse.data_ptr<scalar_t>(), pos_logit.data_ptr<scalar_t>(),
-                           want_col_lse ? col_lse.data_ptr<scalar_t>() : nullptr);
-  });
-  return {row_lse, pos_logit, col_lse};
-}
-
-std::tuple<at::Tensor, at::Tensor, double, double> contrastive_lse_backward_chunked_cpu(
+template <bool kIds>
+std::tuple<at::Tensor, at::Tensor, double, double> backward_impl(
     const at::Tensor& g_row, const at::Tensor& g_pos, const at::Tensor& g_col, const at::Tensor& rows,
-    const at::Tensor& cols, double scale, int64_t pos_offset, const at::Tensor& row_lse, const at::Tensor& col_lse,
-    int64_t workspace_bytes) {
+    const at::Tensor& cols, double scale, int64_t pos_offset, const int64_t* row_ids, const int64_t* col_ids,
+    const at::Tensor& row_lse, const at::Tensor& col_lse, int64_t workspace_bytes) {
   const int64_t M = rows.size(0), K = cols.size(0);
   // Per row: sum over the columns of dS * dot (for d scale) and of dS (for d bias), accumulated
   // chunk after chunk in column order, then summed over rows in order: deterministic.
@@ -89,8 +88,10 @@ std::tuple<at::Tensor, at::Tensor, double, double> contrastive_lse_backward_chun
               double sum_dot = 0.0, sum = 0.0;
               for (int64_t j = 0; j < w; ++j) {
                 const acc_t dot = dots[i * w + j];
-                const acc_t ds = softmax_dlogit(s * dot, gr[i], r[i], gc ? gc[begin + j] : acc_t(0),
-                                                c ? c[begin + j] : acc_t(0), gp[i], begin + j == pos_offset + i);
+                const acc_t ds = excluded<kIds>(row_ids, col_ids, pos_offset, i, begin + j)
+                                     ? acc_t(0)
+                                     : softmax_dlogit(s * dot, gr[i], r[i], gc ? gc[begin + j] : acc_t(0),
+                                                      c ? c[begin + j] : acc_t(0), gp[i], begin + j == pos_offset + i);
                 out[i * w + j] = s * ds;
                 sum_dot += double(ds) * double(dot);
                 sum += ds;
@@ -107,6 +108,31 @@ std::tuple<at::Tensor, at::Tensor, double, double> contrastive_lse_backward_chun
     grad_bias += bias_part[i];
   }
   return {grad_rows, grad_cols, grad_scale, grad_bias};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> contrastive_lse_forward_chunked_cpu(
+    const at::Tensor& rows, const at::Tensor& cols, double scale, int64_t pos_offset, const int64_t* row_ids,
+    const int64_t* col_ids, bool want_col_lse, int64_t workspace_bytes) {
+  const int64_t M = rows.size(0), K = cols.size(0);
+  at::Tensor row_lse = at::empty({M}, rows.options()), pos_logit = at::empty({M}, rows.options());
+  at::Tensor col_lse = at::empty({want_col_lse ? K : 0}, rows.options());
+  AT_DISPATCH_FLOATING_TYPES(rows.scalar_type(), "contrastive_lse_forward_chunked_cpu", [&] {
+    const auto run = row_ids ? &forward_impl<scalar_t, true> : &forward_impl<scalar_t, false>;
+    run(rows, cols, static_cast<scalar_t>(scale), pos_offset, row_ids, col_ids, want_col_lse, workspace_bytes,
+        row_lse.data_ptr<scalar_t>(), pos_logit.data_ptr<scalar_t>(),
+        want_col_lse ? col_lse.data_ptr<scalar_t>() : nullptr);
+  });
+  return {row_lse, pos_logit, col_lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, double, double> contrastive_lse_backward_chunked_cpu(
+    const at::Tensor& g_row, const at::Tensor& g_pos, const at::Tensor& g_col, const at::Tensor& rows,
+    const at::Tensor& cols, double scale, int64_t pos_offset, const int64_t* row_ids, const int64_t* col_ids,
+    const at::Tensor& row_lse, const at::Tensor& col_lse, int64_t workspace_bytes) {
+  const auto run = row_ids ? &backward_impl<true> : &backward_impl<false>;
+  return run(g_row, g_pos, g_col, rows, cols, scale, pos_offset, row_ids, col_ids, row_lse, col_lse, workspace_bytes);
 }
 
 }  // namespace clipshard

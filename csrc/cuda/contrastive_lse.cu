@@ -6,7 +6,8 @@
 // algorithm="fused": the hand-written tile kernels of contrastive_lse_kernels.cuh, never leaving a
 // tile: the tensor-core (mma.sync) kernels for fp16/bf16 features with D % 8 == 0 on sm_80+ (see
 // use_tensor_cores), the fp32-FMA kernels otherwise; inputs are made contiguous first.
-// Every path is deterministic (no float atomics).
+// Every path is deterministic (no float atomics). Sample ids (row_ids / col_ids) are taken by the
+// chunked path only; pos_offset -1 (no positives) by both, as K: no column is then a positive.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -14,10 +15,12 @@
 
 #include <algorithm>
 #include <climits>
+#include <limits>
 #include <tuple>
 #include <type_traits>
 
 #include "../chunked/algorithm.h"
+#include "../contrastive_ids.h"
 #include "contrastive_lse_chunked.h"
 #include "contrastive_lse_kernels.cuh"
 #include "contrastive_lse_mma.cuh"
@@ -38,8 +41,9 @@ void check_scalar(const char* fn, const char* name, const Tensor& t, const Tenso
               " must be a floating-point tensor, got ", t.scalar_type());
 }
 
-void check_features(const char* fn, const Tensor& rows, const Tensor& cols, const Tensor& scale,
-                    const c10::optional<Tensor>& bias, int64_t pos_offset) {
+// Returns the kernels' pos_offset (K for -1: no positives).
+int64_t check_features(const char* fn, const Tensor& rows, const Tensor& cols, const Tensor& scale,
+                       const c10::optional<Tensor>& bias, int64_t pos_offset) {
   TORCH_CHECK(rows.is_cuda(), fn, ": rows must be on a CUDA device, got ", rows.device());
   TORCH_CHECK(cols.device() == rows.device(), fn,
               ": rows and cols must be on the same device, got ", rows.device(), " and ",
@@ -62,11 +66,16 @@ void check_features(const char* fn, const Tensor& rows, const Tensor& cols, cons
   check_scalar(fn, "scale", scale, rows);
   if (bias.has_value()) check_scalar(fn, "bias", *bias, rows);
   const int64_t M = rows.size(0), K = cols.size(0);
-  TORCH_CHECK(pos_offset >= 0 && pos_offset + M <= K, fn,
-              ": pos_offset must satisfy 0 <= pos_offset and pos_offset + M <= K, got pos_offset=",
-              pos_offset, ", M=", M, ", K=", K);
+  const int64_t pos = kernel_pos_offset(fn, pos_offset, M, K);
   TORCH_CHECK((std::max(M, K) + k::kTile - 1) / k::kTile <= INT_MAX, fn, ": too many rows (",
               std::max(M, K), ") for the launch grid");
+  return pos;
+}
+
+// The fused tile kernels have no sample-id masking.
+void refuse_ids_in_fused(const char* fn, const SampleIds& ids) {
+  TORCH_CHECK(!ids.given(), fn, ": row_ids/col_ids are not supported by the fused CUDA kernels; use "
+              "algorithm=\"chunked\" (the CUDA default) or \"torch\"");
 }
 
 // A float32 contiguous copy of a per-row vector of length n (upstream gradients, saved LSEs).
@@ -153,25 +162,32 @@ std::tuple<Tensor, Tensor, Tensor> fused_forward(const Tensor& rows, const Tenso
 
 std::tuple<Tensor, Tensor, Tensor> contrastive_lse_forward_cuda(
     const Tensor& rows, const Tensor& cols, const Tensor& scale, const c10::optional<Tensor>& bias,
-    int64_t pos_offset, bool want_col_lse, c10::string_view algorithm, int64_t workspace_bytes) {
+    int64_t pos_offset, const c10::optional<Tensor>& row_ids, const c10::optional<Tensor>& col_ids,
+    bool want_col_lse, c10::string_view algorithm, int64_t workspace_bytes) {
   constexpr const char* fn = "contrastive_lse_forward";
-  check_features(fn, rows, cols, scale, bias, pos_offset);
+  const int64_t pos = check_features(fn, rows, cols, scale, bias, pos_offset);
+  const SampleIds ids = checked_ids(fn, row_ids, col_ids, rows, cols);
   const bool chunked = parse_algorithm(fn, algorithm) == Algorithm::kChunked;
+  if (!chunked) refuse_ids_in_fused(fn, ids);
   c10::cuda::CUDAGuard guard(rows.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const Tensor scale_f = scale.to(at::kFloat);
   const Tensor bias_f = bias.has_value() ? bias->to(at::kFloat) : Tensor();
+  Tensor row_lse, pos_logit, col_lse;
   if (chunked) {  // the bias moves every output by the same amount
-    auto [row_lse, pos_logit, col_lse] =
-        contrastive_lse_forward_chunked_cuda(rows, cols, scale_f, pos_offset, want_col_lse, workspace_bytes);
+    std::tie(row_lse, pos_logit, col_lse) =
+        contrastive_lse_forward_chunked_cuda(rows, cols, scale_f, pos, ids.rows, ids.cols, want_col_lse, workspace_bytes);
     if (bias_f.defined()) {
       row_lse.add_(bias_f);
       pos_logit.add_(bias_f);
       if (want_col_lse) col_lse.add_(bias_f);
     }
-    return {row_lse, pos_logit, col_lse};
+  } else {
+    std::tie(row_lse, pos_logit, col_lse) =
+        fused_forward(rows.contiguous(), cols.contiguous(), scale_f, bias_f, pos, want_col_lse, stream);
   }
-  return fused_forward(rows.contiguous(), cols.contiguous(), scale_f, bias_f, pos_offset, want_col_lse, stream);
+  if (pos_offset == -1) pos_logit.fill_(std::numeric_limits<float>::quiet_NaN());  // no positives
+  return {row_lse, pos_logit, col_lse};
 }
 
 // The fused tile kernels' backward: (d rows, d cols) in the features' dtype and the (d scale,
@@ -230,11 +246,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> contrastive_lse_backward_cuda(
     const Tensor& grad_row_lse, const Tensor& grad_pos_logit,
     const c10::optional<Tensor>& grad_col_lse, const Tensor& rows, const Tensor& cols,
     const Tensor& scale, const c10::optional<Tensor>& bias, int64_t pos_offset,
-    const Tensor& row_lse, const c10::optional<Tensor>& col_lse, c10::string_view algorithm,
-    int64_t workspace_bytes) {
+    const c10::optional<Tensor>& row_ids, const c10::optional<Tensor>& col_ids, const Tensor& row_lse,
+    const c10::optional<Tensor>& col_lse, c10::string_view algorithm, int64_t workspace_bytes) {
   constexpr const char* fn = "contrastive_lse_backward";
-  check_features(fn, rows, cols, scale, bias, pos_offset);
+  const int64_t pos = check_features(fn, rows, cols, scale, bias, pos_offset);
+  const SampleIds ids = checked_ids(fn, row_ids, col_ids, rows, cols);
   const bool chunked = parse_algorithm(fn, algorithm) == Algorithm::kChunked;
+  if (!chunked) refuse_ids_in_fused(fn, ids);
   c10::cuda::CUDAGuard guard(rows.device());
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const int64_t M = rows.size(0), K = cols.size(0);
@@ -261,11 +279,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> contrastive_lse_backward_cuda(
       if (has_col) lse_col = lse_col - bias_f;
     }
     std::tie(grad_rows, grad_cols, grad_scale, grad_bias) = contrastive_lse_backward_chunked_cuda(
-        g_row, g_pos, g_col, rows, cols, scale_f, pos_offset, lse_row, lse_col, workspace_bytes);
+        g_row, g_pos, g_col, rows, cols, scale_f, pos, ids.rows, ids.cols, lse_row, lse_col, workspace_bytes);
   } else {
     Tensor sums;
     std::tie(grad_rows, grad_cols, sums) = fused_backward(rows.contiguous(), cols.contiguous(), scale_f, bias_f,
-                                                          pos_offset, g_row, g_pos, lse_row, g_col, lse_col, stream);
+                                                          pos, g_row, g_pos, lse_row, g_col, lse_col, stream);
     grad_scale = sums[0];
     grad_bias = sums[1];
   }

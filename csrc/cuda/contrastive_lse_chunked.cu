@@ -64,9 +64,12 @@ unsigned column_splits(int64_t width, unsigned n_row_blocks) {
 
 k::Lse* as_states(const Tensor& t) { return reinterpret_cast<k::Lse*>(t.data_ptr<float>()); }
 
+const int64_t* ids_ptr(const Tensor& ids) { return ids.defined() ? ids.const_data_ptr<int64_t>() : nullptr; }
+
 template <int kRows>
 std::tuple<Tensor, Tensor, Tensor> forward_chunked(const Tensor& rows, const Tensor& cols, const Tensor& scale,
-                                                   int64_t pos_offset, bool want_col_lse, int64_t workspace_bytes) {
+                                                   int64_t pos_offset, const Tensor& row_ids, const Tensor& col_ids,
+                                                   bool want_col_lse, int64_t workspace_bytes) {
   const int64_t M = rows.size(0), K = cols.size(0);
   const int64_t kc = chunked::chunk_columns(M, K, kForwardBytesPerLogit, workspace_bytes);
   const unsigned gy = row_blocks("contrastive_lse_forward", M, kRows);
@@ -87,8 +90,11 @@ std::tuple<Tensor, Tensor, Tensor> forward_chunked(const Tensor& rows, const Ten
     const k::ForwardChunkParams p{chunk.dots.const_data_ptr<float>(), M, chunk.width, chunk.begin,
                                   scale.const_data_ptr<float>(), pos_offset, as_states(row_partial),
                                   want_col_lse ? as_states(col_partial) : nullptr,
-                                  pos_logit.mutable_data_ptr<float>()};
-    k::chunk_forward_kernel<kRows><<<dim3(gx, gy), k::kThreads, 0, stream>>>(p);
+                                  pos_logit.mutable_data_ptr<float>(), ids_ptr(row_ids), ids_ptr(col_ids)};
+    if (p.row_ids != nullptr)
+      k::chunk_forward_kernel<kRows, true><<<dim3(gx, gy), k::kThreads, 0, stream>>>(p);
+    else
+      k::chunk_forward_kernel<kRows><<<dim3(gx, gy), k::kThreads, 0, stream>>>(p);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     const bool last = chunk.begin + chunk.width == K;
     k::merge_row_partials_kernel<<<ceil_div(M, k::kThreads), k::kThreads, 0, stream>>>(
@@ -107,17 +113,19 @@ std::tuple<Tensor, Tensor, Tensor> forward_chunked(const Tensor& rows, const Ten
 }  // namespace
 
 std::tuple<Tensor, Tensor, Tensor> contrastive_lse_forward_chunked_cuda(
-    const Tensor& rows, const Tensor& cols, const Tensor& scale, int64_t pos_offset, bool want_col_lse,
-    int64_t workspace_bytes) {
+    const Tensor& rows, const Tensor& cols, const Tensor& scale, int64_t pos_offset, const Tensor& row_ids,
+    const Tensor& col_ids, bool want_col_lse, int64_t workspace_bytes) {
   if (forward_rows_per_cta(rows.size(0)) == k::kForwardRowsNarrow)
-    return forward_chunked<k::kForwardRowsNarrow>(rows, cols, scale, pos_offset, want_col_lse, workspace_bytes);
-  return forward_chunked<k::kForwardRowsWide>(rows, cols, scale, pos_offset, want_col_lse, workspace_bytes);
+    return forward_chunked<k::kForwardRowsNarrow>(rows, cols, scale, pos_offset, row_ids, col_ids, want_col_lse,
+                                                  workspace_bytes);
+  return forward_chunked<k::kForwardRowsWide>(rows, cols, scale, pos_offset, row_ids, col_ids, want_col_lse,
+                                              workspace_bytes);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor> contrastive_lse_backward_chunked_cuda(
     const Tensor& g_row, const Tensor& g_pos, const Tensor& g_col, const Tensor& rows, const Tensor& cols,
-    const Tensor& scale, int64_t pos_offset, const Tensor& row_lse, const Tensor& col_lse,
-    int64_t workspace_bytes) {
+    const Tensor& scale, int64_t pos_offset, const Tensor& row_ids, const Tensor& col_ids, const Tensor& row_lse,
+    const Tensor& col_lse, int64_t workspace_bytes) {
   const int64_t M = rows.size(0), K = cols.size(0);
   const int64_t kc = chunked::chunk_columns(M, K, 4 + int64_t(rows.element_size()), workspace_bytes);
   const unsigned gy = row_blocks("contrastive_lse_backward", M, k::kRowsPerCta);
@@ -144,8 +152,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> contrastive_lse_backward_chunked_cuda
               g_row.const_data_ptr<float>(), g_pos.const_data_ptr<float>(),
               g_col.defined() ? col_lse.const_data_ptr<float>() : nullptr,
               g_col.defined() ? g_col.const_data_ptr<float>() : nullptr, pos_offset, dlogits.mutable_data_ptr<T>(),
-              partial_scale[chunk_index].mutable_data_ptr<float>(), partial_bias[chunk_index].mutable_data_ptr<float>()};
-          k::chunk_grad_kernel<T><<<dim3(gx, gy), k::kThreads, 0, stream>>>(p);
+              partial_scale[chunk_index].mutable_data_ptr<float>(), partial_bias[chunk_index].mutable_data_ptr<float>(),
+              ids_ptr(row_ids), ids_ptr(col_ids)};
+          if (p.row_ids != nullptr)
+            k::chunk_grad_kernel<T, true><<<dim3(gx, gy), k::kThreads, 0, stream>>>(p);
+          else
+            k::chunk_grad_kernel<T><<<dim3(gx, gy), k::kThreads, 0, stream>>>(p);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
           ++chunk_index;
         });

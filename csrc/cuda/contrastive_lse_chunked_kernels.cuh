@@ -6,6 +6,11 @@
 // (blockIdx.y; kRowsPerCta rows for the gradient kernel, kRows for the forward kernel) and the
 // column steps blockIdx.x, blockIdx.x + gridDim.x, ... of kThreads columns each; a thread owns one
 // column of each step, so every warp load reads 128 consecutive bytes.
+//
+// Sample ids (the kIds variants, chosen when row_ids is not null): the pair (i, j) with row_ids[i]
+// == col_ids[j] that is not row i's positive is left out of both log-sum-exps and gets dS = 0. A
+// CTA stages its rows' ids in shared memory once; a thread loads its column's id once per column
+// step; per logit that is one shared-memory broadcast read and a compare, no M x K mask.
 #pragma once
 
 #include <cstdint>
@@ -38,6 +43,8 @@ struct ForwardChunkParams {
   Lse* row_partial;     // [gridDim.x][M]: each column split's state of each row over this chunk
   Lse* col_partial;     // [gridDim.y][width]: each row block's state of each column, or nullptr
   float* pos_logit;     // [M] (unbiased), written by whichever CTA holds the positive
+  const int64_t* row_ids = nullptr;  // [M] sample ids, or nullptr (no ids)
+  const int64_t* col_ids = nullptr;  // [K] global columns, or nullptr
 };
 
 template <typename T>
@@ -55,6 +62,8 @@ struct GradChunkParams {
   T* dlogits;              // M x width: prescale * scale * dS
   float* partial_scale;    // [gridDim.y * gridDim.x]: sum of dS * dot per CTA
   float* partial_bias;     // same layout: sum of dS
+  const int64_t* row_ids = nullptr;  // [M] sample ids, or nullptr (no ids)
+  const int64_t* col_ids = nullptr;  // [K] global columns, or nullptr
 };
 
 __device__ __forceinline__ Lse shuffle_xor(const Lse& s, int lane_mask) {
@@ -93,12 +102,17 @@ __device__ __forceinline__ State warp_reduce_rows(State (&state)[kRows]) {
 
 // Online row LSE of each of the CTA's kRows rows over its columns, exact column LSE over its
 // rows, and the positives. Two exponentials per logit; the chunk is read once.
-template <int kRows>
+template <int kRows, bool kIds = false>
 __global__ void __launch_bounds__(kThreads, kForwardMinCtasPerSm<kRows>) chunk_forward_kernel(ForwardChunkParams p) {
   __shared__ Lse warp_rows[kWarps][kRows];
+  __shared__ int64_t row_id[kRows];
   const int64_t i0 = static_cast<int64_t>(blockIdx.y) * kRows;
   const int rows = static_cast<int>(p.M - i0 < kRows ? p.M - i0 : kRows);
   const float scale = *p.scale;
+  if constexpr (kIds) {
+    if (threadIdx.x < rows) row_id[threadIdx.x] = p.row_ids[i0 + threadIdx.x];
+    __syncthreads();
+  }
   Lse row_state[kRows];
 #pragma unroll
   for (int r = 0; r < kRows; ++r) row_state[r] = Lse::empty();
@@ -109,13 +123,16 @@ __global__ void __launch_bounds__(kThreads, kForwardMinCtasPerSm<kRows>) chunk_f
     if (j >= p.width) continue;
     const float* column = p.dots + i0 * p.width + j;
     const int64_t pos_row = p.begin + j - p.pos_offset - i0;  // the row whose positive is column j
+    const int64_t col_id = kIds ? p.col_ids[p.begin + j] : 0;
     Lse col_state = Lse::empty();
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {  // fully unrolled: row_state stays in registers
       if (r < rows) {
         const float x = scale * column[r * p.width];
-        row_state[r].add(x);
-        col_state.add(x);
+        if (!kIds || row_id[r] != col_id || pos_row == r) {  // else excluded: same id, not the positive
+          row_state[r].add(x);
+          col_state.add(x);
+        }
         if (pos_row == r) p.pos_logit[i0 + r] = x;
       }
     }
@@ -171,9 +188,11 @@ __device__ __forceinline__ float cta_sum(float v, float* scratch) {
 }
 
 // dlogits = prescale * scale * dS for the chunk, and per-CTA sums of dS * dot and dS.
-template <typename T>
+// With kIds, dS = 0 at the excluded pairs.
+template <typename T, bool kIds = false>
 __global__ void __launch_bounds__(kThreads) chunk_grad_kernel(GradChunkParams<T> p) {
   __shared__ float row_lse[kRowsPerCta], g_row[kRowsPerCta], g_pos[kRowsPerCta];
+  __shared__ int64_t row_id[kRowsPerCta];
   __shared__ float scratch[kWarps];
   const int64_t i0 = static_cast<int64_t>(blockIdx.y) * kRowsPerCta;
   const int rows = static_cast<int>(p.M - i0 < kRowsPerCta ? p.M - i0 : kRowsPerCta);
@@ -181,6 +200,7 @@ __global__ void __launch_bounds__(kThreads) chunk_grad_kernel(GradChunkParams<T>
     row_lse[threadIdx.x] = p.row_lse[i0 + threadIdx.x];
     g_row[threadIdx.x] = p.g_row[i0 + threadIdx.x];
     g_pos[threadIdx.x] = p.g_pos[i0 + threadIdx.x];
+    if constexpr (kIds) row_id[threadIdx.x] = p.row_ids[i0 + threadIdx.x];
   }
   __syncthreads();
   const float scale = *p.scale;
@@ -194,6 +214,7 @@ __global__ void __launch_bounds__(kThreads) chunk_grad_kernel(GradChunkParams<T>
     const float g_col = p.g_col != nullptr ? p.g_col[p.begin + j] : 0.f;
     const float col_lse = p.g_col != nullptr ? p.col_lse[p.begin + j] : 0.f;
     const int64_t pos_row = p.begin + j - p.pos_offset - i0;
+    const int64_t col_id = kIds ? p.col_ids[p.begin + j] : 0;
     const float* column = p.dots + i0 * p.width + j;
     T* out = p.dlogits + i0 * p.width + j;
 #pragma unroll 8
@@ -201,8 +222,10 @@ __global__ void __launch_bounds__(kThreads) chunk_grad_kernel(GradChunkParams<T>
       if (r >= rows) break;
       const float dot = column[r * p.width];
       const bool positive = pos_row == r;
-      const float ds = softmax_dlogit(scale * dot, g_row[r], row_lse[r], g_col, col_lse,
-                                      positive ? g_pos[r] : 0.f, positive);
+      const bool kept = !kIds || row_id[r] != col_id || positive;
+      const float ds = kept ? softmax_dlogit(scale * dot, g_row[r], row_lse[r], g_col, col_lse,
+                                             positive ? g_pos[r] : 0.f, positive)
+                            : 0.f;
       out[r * p.width] = static_cast<T>(scale_out * ds);
       sum_dot = fmaf(ds, dot, sum_dot);
       sum += ds;

@@ -3,7 +3,8 @@
 // contrastive_lse_chunked.cu drives them on an H200 (both forward variants: 32 and 16 rows per CTA; as
 // many column splits as it would launch there, up to 8 here) (the GEMMs computed here in double and
 // rounded to fp32, as cuBLAS with fp32 output would), and compares every output with a
-// double-precision reference.
+// double-precision reference. Cases with sample ids (duplicates, all equal) and without positives
+// (pos -1, launched as pos_offset = K like contrastive_lse.cu does) run the kernels' kIds variants.
 // Build: g++ -std=c++20 -O1 -pthread -I<repo>/csrc/cuda -I<repo>/csrc/include -I<torch>/include
 // Prints one line per case and exits non-zero on any mismatch. Usage: emulate_chunked_lse [CASE INDEX]
 #include "emulate_cuda.h"
@@ -34,7 +35,9 @@ struct Case {
   bool nan_row;    // a NaN in row 1
   bool realistic;  // upstream gradients of a real loss: 0.5 / 65536 per row and column
   bool two_splits = false;  // at most 2 column splits instead of an H200's (emulation time: see main)
+  int ids = 0;              // sample ids: kNoIds, kDuplicateIds or kEqualIds
 };
+constexpr int kNoIds = 0, kDuplicateIds = 1, kEqualIds = 2;
 
 // The negative control: run fp16 without the gradient pre-scale (what the kernels did before it).
 static bool g_without_prescale = false;
@@ -42,6 +45,7 @@ static bool g_without_prescale = false;
 static int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 static bool close(double got, double want, double atol, const char* what, int64_t index) {
+  if (got == want) return true;  // also the -inf of a row or column without a kept pair
   if (std::fabs(got - want) <= atol + 1e-5 * std::fabs(want)) return true;
   std::printf("  MISMATCH %s[%lld]: got %.8g, want %.8g (atol %.3g)\n", what, static_cast<long long>(index), got,
               want, atol);
@@ -70,6 +74,17 @@ static bool run_case(const Case& c, std::mt19937& gen, int forward_rows = k::kFo
   for (auto& v : g_col) v = c.has_col ? (c.realistic ? g * spread(gen) : unit(gen)) : 0.f;
   for (int64_t i = 0; i < M; ++i) g_pos[i] = c.realistic ? -(g_row[i] + (c.has_col ? g_col[i + c.pos] : 0.f)) : unit(gen);
   const float scale = c.scale;
+  const int64_t kernel_pos = c.pos < 0 ? K : c.pos;  // no positives: no column j < K is pos + i
+  // Ids: about 4 columns per id (duplicates), rows sharing their positive's id; or all equal.
+  std::vector<int64_t> row_ids, col_ids;
+  if (c.ids != kNoIds) {
+    std::uniform_int_distribution<int64_t> pick(0, std::max<int64_t>(K / 4, 1));
+    col_ids.resize(K), row_ids.resize(M);
+    for (auto& v : col_ids) v = c.ids == kEqualIds ? 5 : pick(gen);
+    for (int64_t i = 0; i < M; ++i) row_ids[i] = c.ids == kEqualIds ? 5 : c.pos >= 0 ? col_ids[i + c.pos] : pick(gen);
+  }
+  const int64_t* row_ids_p = c.ids != kNoIds ? row_ids.data() : nullptr;
+  const int64_t* col_ids_p = c.ids != kNoIds ? col_ids.data() : nullptr;
 
   // dots of a chunk as the fp32-output GEMM gives them.
   auto chunk_dots = [&](int64_t begin, int64_t width) {
@@ -99,12 +114,17 @@ static bool run_case(const Case& c, std::mt19937& gen, int forward_rows = k::kFo
     const std::vector<float> dots = chunk_dots(begin, width);
     const unsigned gx = splits(width, gy_forward);
     max_splits = std::max(max_splits, gx);
-    const k::ForwardChunkParams params{dots.data(), M, width, begin, &scale, c.pos, row_partial.data(),
-                                       c.has_col ? col_partial.data() : nullptr, pos.data()};
-    if (forward_rows == k::kForwardRowsNarrow)
-      emulate_launch(k::chunk_forward_kernel<k::kForwardRowsNarrow>, dim3{gx, gy_forward, 1}, k::kThreads, params);
+    const k::ForwardChunkParams params{dots.data(), M, width, begin, &scale, kernel_pos, row_partial.data(),
+                                       c.has_col ? col_partial.data() : nullptr, pos.data(), row_ids_p, col_ids_p};
+    const dim3 grid{gx, gy_forward, 1};
+    if (forward_rows == k::kForwardRowsNarrow && row_ids_p)
+      emulate_launch(k::chunk_forward_kernel<k::kForwardRowsNarrow, true>, grid, k::kThreads, params);
+    else if (forward_rows == k::kForwardRowsNarrow)
+      emulate_launch(k::chunk_forward_kernel<k::kForwardRowsNarrow>, grid, k::kThreads, params);
+    else if (row_ids_p)
+      emulate_launch(k::chunk_forward_kernel<k::kForwardRowsWide, true>, grid, k::kThreads, params);
     else
-      emulate_launch(k::chunk_forward_kernel<k::kForwardRowsWide>, dim3{gx, gy_forward, 1}, k::kThreads, params);
+      emulate_launch(k::chunk_forward_kernel<k::kForwardRowsWide>, grid, k::kThreads, params);
     const bool last = begin + width == K;
     emulate_launch([&](int) { k::merge_row_partials_kernel(running.data(), row_partial.data(), M, int(gx),
                                                            last ? row_lse.data() : nullptr); },
@@ -149,12 +169,15 @@ static bool run_case(const Case& c, std::mt19937& gen, int forward_rows = k::kFo
     max_splits = std::max(max_splits, gx);
     std::vector<T> dlogits(M * width);
     std::vector<float> part_scale(gx * gy), part_bias(gx * gy);
-    emulate_launch(k::chunk_grad_kernel<T>, dim3{gx, gy, 1}, k::kThreads,
-                   k::GradChunkParams<T>{dots.data(), M, width, begin, &scale,
-                                         std::is_same_v<T, c10::Half> ? prescale : nullptr, row_lse_unbiased.data(),
-                                         g_row.data(), g_pos.data(), c.has_col ? col_lse_unbiased.data() : nullptr,
-                                         c.has_col ? g_col.data() : nullptr, c.pos, dlogits.data(), part_scale.data(),
-                                         part_bias.data()});
+    const k::GradChunkParams<T> grad_params{dots.data(), M, width, begin, &scale,
+                                            std::is_same_v<T, c10::Half> ? prescale : nullptr, row_lse_unbiased.data(),
+                                            g_row.data(), g_pos.data(), c.has_col ? col_lse_unbiased.data() : nullptr,
+                                            c.has_col ? g_col.data() : nullptr, kernel_pos, dlogits.data(),
+                                            part_scale.data(), part_bias.data(), row_ids_p, col_ids_p};
+    if (row_ids_p)
+      emulate_launch(k::chunk_grad_kernel<T, true>, dim3{gx, gy, 1}, k::kThreads, grad_params);
+    else
+      emulate_launch(k::chunk_grad_kernel<T>, dim3{gx, gy, 1}, k::kThreads, grad_params);
     for (float v : part_scale) sum_scale += v;
     for (float v : part_bias) sum_bias += v;
     for (int64_t i = 0; i < M; ++i)
@@ -172,13 +195,14 @@ static bool run_case(const Case& c, std::mt19937& gen, int forward_rows = k::kFo
   // Reference in double, from the values the kernels read.
   const std::vector<float> rows_f(rows.begin(), rows.end()), cols_f(cols.begin(), cols.end());
   const LseReference ref = lse_reference(rows_f, cols_f, M, K, D, scale, c.bias, g_row,
-                                         c.has_col ? g_col : std::vector<float>{}, g_pos, c.pos);
+                                         c.has_col ? g_col : std::vector<float>{}, g_pos, c.pos, row_ids, col_ids);
 
   bool ok = true;
-  char label[200];
-  std::snprintf(label, sizeof label, "chunked %s forward-rows=%d M=%lld K=%lld D=%lld kc=%lld pos=%lld scale=%g bias=%g col=%d splits<=%u%s%s",
+  char label[256];
+  const char* ids_label[] = {"", " ids=duplicates", " ids=equal"};
+  std::snprintf(label, sizeof label, "chunked %s forward-rows=%d M=%lld K=%lld D=%lld kc=%lld pos=%lld scale=%g bias=%g col=%d splits<=%u%s%s%s",
                 name<T>(), forward_rows, (long long)M, (long long)K, (long long)D, (long long)c.kc, (long long)c.pos, scale, c.bias,
-                c.has_col, max_splits, c.realistic ? " realistic-gradients" : "", c.nan_row ? " NaN" : "");
+                c.has_col, max_splits, c.realistic ? " realistic-gradients" : "", c.nan_row ? " NaN" : "", ids_label[c.ids]);
   if (c.nan_row) {  // row 1's LSE, positive and gradient are NaN, and so is every column LSE
     ok &= std::isnan(row_lse[1]) && std::isnan(pos[1]) && std::isnan(grad_rows[1 * D]) && std::isnan(sum_scale);
     for (int64_t j = 0; j < K; ++j) ok &= !c.has_col || std::isnan(col_lse[j]);
@@ -189,7 +213,8 @@ static bool run_case(const Case& c, std::mt19937& gen, int forward_rows = k::kFo
   const double atol = 1e-5 * (1 + scale + std::fabs(c.bias));
   for (int64_t i = 0; i < M && ok; ++i) {
     ok &= close(row_lse[i], ref.row_lse[i], atol, "row_lse", i);
-    ok &= close(pos[i], ref.S[i * K + i + c.pos], atol, "pos_logit", i);
+    if (c.pos >= 0) ok &= close(pos[i], ref.S[i * K + i + c.pos], atol, "pos_logit", i);
+    else ok &= std::isnan(pos[i]);  // never written: no positives
   }
   for (int64_t j = 0; j < K && ok && c.has_col; ++j) ok &= close(col_lse[j], ref.col_lse[j], atol, "col_lse", j);
   // Each gradient entry against the sum of its terms' magnitudes: dlogits are rounded to T once
@@ -215,6 +240,13 @@ int main(int argc, char** argv) {
       {45, 520, 16, 7, 256, 14.3f, -2.f, false, false, false},   // no column term
       {40, 300, 24, 10, 128, 14.3f, 0.f, true, true, false},     // NaN
       {20, 2900, 16, 5, 2048, 14.3f, 1.f, true, false, false},   // few rows: 8 column splits, then 4
+      // Sample ids: duplicates (scale 100 too), all equal (columns without an own row: LSE -inf), no
+      // positives with duplicates, and no positives with all equal (nothing is kept).
+      {70, 600, 33, 100, 128, 14.3f, 0.5f, true, false, false, false, kDuplicateIds},
+      {37, 1301, 19, 11, 512, 100.f, -1.f, true, false, false, false, kDuplicateIds},
+      {45, 1520, 16, 7, 1024, 14.3f, 0.f, true, false, false, false, kEqualIds},
+      {40, 900, 24, -1, 768, 14.3f, 0.75f, true, false, false, false, kDuplicateIds},
+      {33, 200, 8, -1, 128, 14.3f, 0.f, true, false, false, false, kEqualIds},
       // Realistic upstream gradients, for the fp16 underflow they cause; with an H200's 16 column
       // splits this case alone would take most of the emulation's time (each CTA's shuffles are
       // barriers of its 256 emulated threads), so it keeps 2.

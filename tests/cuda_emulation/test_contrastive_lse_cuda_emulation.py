@@ -5,7 +5,8 @@ barriers for __syncthreads, and host versions of the warp shuffles, ldmatrix and
 from the PTX fragment layouts, then compares every output with a double-precision reference:
 
 - emulate_contrastive_lse.cpp: the "fused" tile kernels, FMA (fp32) and tensor-core (bf16, fp16);
-- emulate_chunked_lse.cpp: the "chunked" path's elementwise kernels (fp32, bf16, fp16), driven
+- emulate_chunked_lse.cpp: the "chunked" path's elementwise kernels (fp32, bf16, fp16; with and
+  without sample ids, with and without positives), driven
   chunk by chunk as contrastive_lse_chunked.cu drives them on an H200 (132 SMs: min(ceil(396 / gy),
   steps) column splits, up to 8 here; the costly realistic-gradient case keeps 2), with the GEMMs
   done on the host; both variants of its
@@ -53,8 +54,11 @@ def chunked_harnesses(tmp_path_factory):
 def test_chunked_kernels_match_double_reference_in_host_emulation(chunked_harnesses):
     out = _run(chunked_harnesses[0]).stdout
     for dtype in ("fp32", "bf16", "fp16"):
-        assert out.count(f"ok chunked {dtype} forward-rows=32") == 8, out
-    assert out.count("ok chunked fp32 forward-rows=16") == 7, out
+        assert out.count(f"ok chunked {dtype} forward-rows=32") == 13, out
+    assert out.count("ok chunked fp32 forward-rows=16") == 12, out
+    # the sample-id cases (kIds kernels): duplicates, all equal, and without positives (pos=-1)
+    assert out.count("ids=duplicates") == 3 * 4 and out.count("ids=equal") == 2 * 4, out
+    assert out.count("pos=-1 ") == 2 * 4, out
     assert out.count("realistic-gradients") == 4  # three dtypes and the failing control
     assert "ok control: fp16 without the pre-scale loses" in out
     assert "splits<=8" in out  # more column splits than two, as on an H200

@@ -306,19 +306,19 @@ def test_bad_input_op():
     rows, cols, s = features(6, 8, torch.float32), features(10, 8, torch.float32), torch.tensor(1.0)
     fwd = OPS.contrastive_lse_forward
     with pytest.raises(RuntimeError, match="contrastive_lse_forward: rows and cols must have the same feature size"):
-        fwd(rows, cols[:, :3], s, None, 0, True, "fused", WS)
+        fwd(rows, cols[:, :3], s, None, 0, None, None, True, "fused", WS)
     with pytest.raises(RuntimeError, match="contrastive_lse_forward: rows and cols must have the same dtype"):
-        fwd(rows, cols.half(), s, None, 0, True, "fused", WS)
+        fwd(rows, cols.half(), s, None, 0, None, None, True, "fused", WS)
     with pytest.raises(RuntimeError, match="contrastive_lse_forward: pos_offset must satisfy"):
-        fwd(rows, cols, s, None, -1, True, "fused", WS)
+        fwd(rows, cols, s, None, -2, None, None, True, "fused", WS)
     with pytest.raises(RuntimeError, match="contrastive_lse_forward: scale must be a 0-dim tensor"):
-        fwd(rows, cols, s.reshape(1), None, 0, True, "fused", WS)
+        fwd(rows, cols, s.reshape(1), None, 0, None, None, True, "fused", WS)
     with pytest.raises(RuntimeError, match="contrastive_lse_forward: empty inputs"):
-        fwd(rows[:0], cols, s, None, 0, True, "fused", WS)
-    row_lse, _, _ = fwd(rows, cols, s, None, 0, True, "fused", WS)
+        fwd(rows[:0], cols, s, None, 0, None, None, True, "fused", WS)
+    row_lse, _, _ = fwd(rows, cols, s, None, 0, None, None, True, "fused", WS)
     with pytest.raises(RuntimeError, match="contrastive_lse_backward: grad_col_lse was given but col_lse is None"):
-        OPS.contrastive_lse_backward(row_lse, row_lse, torch.ones(10), rows, cols, s, None, 0, row_lse, None,
-                                     "fused", WS)
+        OPS.contrastive_lse_backward(row_lse, row_lse, torch.ones(10), rows, cols, s, None, 0, None, None, row_lse,
+                                     None, "fused", WS)
 
 
 def test_clip_loss_bad_input():

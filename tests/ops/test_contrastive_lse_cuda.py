@@ -55,13 +55,13 @@ def upstream(M, K, want_col, seed=1):
 
 
 def forward(rows, cols, scale, bias, pos, want_col, algorithm, workspace=SMALL_WORKSPACE):
-    return ops.contrastive_lse_forward(rows, cols, scale, bias, pos, want_col, algorithm, workspace)
+    return ops.contrastive_lse_forward(rows, cols, scale, bias, pos, None, None, want_col, algorithm, workspace)
 
 
 def backward(grads, rows, cols, scale, bias, pos, outs, algorithm, workspace=SMALL_WORKSPACE):
     g_row, g_pos, g_col = grads
     row_lse, _, col_lse = outs
-    return ops.contrastive_lse_backward(g_row, g_pos, g_col, rows, cols, scale, bias, pos, row_lse,
+    return ops.contrastive_lse_backward(g_row, g_pos, g_col, rows, cols, scale, bias, pos, None, None, row_lse,
                                         col_lse if g_col is not None else None, algorithm, workspace)
 
 
@@ -380,7 +380,7 @@ def test_backward_rejects_bad_gradient_shapes():
         backward((g_row, g_pos, g_col[:8]), a["rows"], a["cols"], a["scale"], a["bias"], a["pos"], outs, "chunked")
     with pytest.raises(RuntimeError, match=r"contrastive_lse_backward: grad_col_lse is given, so col_lse"):
         ops.contrastive_lse_backward(g_row, g_pos, g_col, a["rows"], a["cols"], a["scale"], a["bias"],
-                                     a["pos"], outs[0], None, "chunked", SMALL_WORKSPACE)
+                                     a["pos"], None, None, outs[0], None, "chunked", SMALL_WORKSPACE)
 
 
 def public_forward_backward(rows, cols, scale, bias, pos, grads, **kwargs):

@@ -7,7 +7,6 @@ without ids), ~10% duplicates, no positives (pos_offset None), no extra columns 
 import pytest
 import torch
 
-from clipshard.ops import contrastive_lse as lse_module
 from clipshard.ops import siglip_sum as siglip_module
 from clipshard.ops.contrastive_lse import contrastive_lse, contrastive_lse_backward
 from clipshard.ops.same_id import same_id_logit_sums
@@ -143,9 +142,7 @@ def test_contrastive_distinct_ids_bit_equal_to_no_ids(targets, algorithm):
     call gives the call without ids (same algorithm as the ids call takes)."""
     case = (37, 301, 19, 11, 14.3, 0.75, 1, "distinct", 0)
     with_ids, grads_ids, _ = run_contrastive(case, torch.float32, targets, algorithm)
-    # "multi" calls the op without ids; "mask" passes them, which the compiled kernels may not take yet
-    taken = algorithm if targets == "multi" or lse_module._compiled_supports(case[3], torch.zeros(1)) else "torch"
-    without, grads_without, _ = run_contrastive(case, torch.float32, None, taken, use_ids=False)
+    without, grads_without, _ = run_contrastive(case, torch.float32, None, algorithm, use_ids=False)
     if targets == "mask":
         for got, ref in zip(with_ids + grads_ids, without + grads_without):
             assert torch.equal(got, ref)
