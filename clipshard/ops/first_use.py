@@ -105,7 +105,8 @@ def _siglip_inputs(dtypes):
 
 
 def _siglip_compiled(algorithm, dtypes, rows, cols, scale, bias):
-    return list(torch.ops.clipshard.siglip_forward(rows, cols, scale, bias, POS_OFFSET, True, WORKSPACE))
+    return list(torch.ops.clipshard.siglip_forward(rows, cols, scale, bias, POS_OFFSET, None, None, False, True,
+                                                          WORKSPACE))
 
 
 def _siglip_torch(dtypes, rows, cols, scale, bias):

@@ -24,7 +24,7 @@ from clipshard.ops.portable_siglip import siglip_block_torch, siglip_sum_torch
 ALGORITHMS = ("auto", "chunked", "torch")
 
 @torch.library.register_fake("clipshard::siglip_forward")
-def _forward_fake(rows, cols, scale, bias, pos_offset, with_grad, workspace_bytes):
+def _forward_fake(rows, cols, scale, bias, pos_offset, row_ids, col_ids, mask_same_ids, with_grad, workspace_bytes):
     torch._check(rows.dim() == 2 and cols.dim() == 2, lambda: "siglip_forward: rows and cols must be 2-D")
     torch._check(rows.shape[1] == cols.shape[1],
                  lambda: "siglip_forward: rows and cols must have the same feature size D")
@@ -43,7 +43,7 @@ def _saved_grad_dtype(dtype):
 
 
 def _setup_context(ctx, inputs, output):
-    rows, cols, scale, bias, pos_offset, with_grad, workspace_bytes = inputs
+    rows, cols, scale, bias, pos_offset, row_ids, col_ids, mask_same_ids, with_grad, workspace_bytes = inputs
     _, grad_rows, grad_cols, grad_scale, grad_bias = output
     ctx.mark_non_differentiable(grad_rows, grad_cols, grad_scale, grad_bias)
     ctx.set_materialize_grads(False)  # else autograd allocates zero "gradients" for the four above
@@ -59,7 +59,7 @@ def _backward(ctx, grad_loss, *unused):
                            "with with_grad=True when a backward will follow (siglip_sum does this)")
     grad_rows, grad_cols, grad_scale, grad_bias = ctx.saved_tensors
     if grad_loss is None:
-        return None, None, None, None, None, None, None
+        return (None,) * 10
     # The saved gradients are those of the sum for a unit upstream gradient; 16-bit ones are scaled
     # in fp32 and rounded once, to the input's dtype.
     def scaled(grad, dtype=None):
@@ -67,7 +67,7 @@ def _backward(ctx, grad_loss, *unused):
 
     rows_dtype, cols_dtype = ctx.feature_dtypes
     return (scaled(grad_rows, rows_dtype), scaled(grad_cols, cols_dtype), scaled(grad_scale),
-            scaled(grad_bias) if ctx.has_bias else None, None, None, None)
+            scaled(grad_bias) if ctx.has_bias else None) + (None,) * 6
 
 
 torch.library.register_autograd("clipshard::siglip_forward", _backward, setup_context=_setup_context)
@@ -103,7 +103,8 @@ def siglip_sum(rows, cols, scale, bias=None, pos_offset=0, *, algorithm="auto", 
     with_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
     if algorithm == "torch":
         return siglip_sum_torch(rows, cols, scale, bias, pos_offset, with_grad, budget, _saved_grad_dtype(rows.dtype))
-    return torch.ops.clipshard.siglip_forward(rows, cols, scale, bias, pos_offset, with_grad, budget)[0]
+    return torch.ops.clipshard.siglip_forward(rows, cols, scale, bias, pos_offset, None, None, False, with_grad,
+                                              budget)[0]
 
 
 def siglip_block(rows, cols, scale, bias, pos_offset, with_grad, *, algorithm="auto", workspace_bytes=None):
@@ -118,4 +119,5 @@ def siglip_block(rows, cols, scale, bias, pos_offset, with_grad, *, algorithm="a
         if algorithm == "torch":
             return siglip_block_torch(rows, cols, scale, bias, pos_offset, with_grad, budget,
                                       _saved_grad_dtype(rows.dtype))
-        return torch.ops.clipshard.siglip_forward(rows, cols, scale, bias, pos_offset, with_grad, budget)
+        return torch.ops.clipshard.siglip_forward(rows, cols, scale, bias, pos_offset, None, None, False, with_grad,
+                                                  budget)
