@@ -39,14 +39,17 @@ template <int N>
 __device__ __forceinline__ void block_sum(float (&v)[N]) {
   __shared__ float warp_sums[N][kWarps];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
   for (int k = 0; k < N; ++k) {
     for (int offset = 16; offset > 0; offset /= 2) v[k] += __shfl_xor_sync(0xffffffffu, v[k], offset);
   }
   if (lane == 0) {
+#pragma unroll
     for (int k = 0; k < N; ++k) warp_sums[k][warp] = v[k];
   }
   __syncthreads();
   if (threadIdx.x == 0) {
+#pragma unroll
     for (int k = 0; k < N; ++k) {
       float total = 0.0f;
       for (int w = 0; w < kWarps; ++w) total += warp_sums[k][w];
@@ -147,7 +150,9 @@ __global__ void __launch_bounds__(kThreads) siglip_ids_chunk_kernel(IdChunkParam
   }
   block_sum(sums);
   if (threadIdx.x == 0) {
-    for (int r = 0; r < rows; ++r) {
+#pragma unroll
+    for (int r = 0; r < kIdRows; ++r) {  // unrolled, so that sums stays in registers
+      if (r >= rows) break;
       p.row_loss[first + r] += sums[3 * r];
       if constexpr (kGrad) {
         p.row_grad_scale[first + r] += sums[3 * r + 1];
