@@ -123,11 +123,12 @@ SHAPES = [(37, 301, 7, 100), (129, 1000, 17, 871), (53, 411, 5, None), (1, 1, 3,
 def test_labels_by_id_match_fp64_reference(device, kind, mask):
     """Several column chunks (the smallest workspace), every dtype, each shape; the reference with
     ids is far (many tolerances) from the one without, so a kernel that dropped the labels by id
-    would fail."""
+    would fail (except for dropping a few negatives of logit ~ -10, whose terms are ~5e-5: "few" and
+    "equal" cover the mask)."""
     for dtype in dtypes(device):
         for m, k, d, pos_offset in SHAPES:
             distance = check(device, dtype, m, k, d, pos_offset, kind, mask)
-            if m > 1 and dtype == torch.float32:
+            if m > 1 and dtype == torch.float32 and not (kind == "dup10" and mask):
                 assert distance > 100 * tolerances(dtype, 10.0)[0], (kind, mask, m, distance)
 
 
