@@ -55,15 +55,19 @@ TORCH_LIBRARY(clipshard, m) {
 
   // SigLIP (docs/siglip.md): loss_sum = sum_{i < M, j < K} softplus(-z_ij * l_ij) with l_ij = scale *
   // rows_i . cols_j (+ bias) and z_ij = +1 iff j == pos_offset + i, else -1 (pos_offset = None: no
-  // positives, every z_ij = -1: a foreign block of the SigLIP ring); 0-dim, fp32 (fp64 for fp64 inputs). With with_grad the same chunked pass also returns d loss_sum / d (rows, cols, scale,
-  // bias) for a unit upstream gradient, in the inputs' dtypes except fp32 for fp16 features, whose
-  // range the sum's gradient can exceed (empty tensors without with_grad, and for an absent bias):
-  // there is no normaliser, so the gradient is known in the forward.
+  // positives, every z_ij = -1: a foreign block of the SigLIP ring); 0-dim, fp32 (fp64 for fp64 inputs).
+  // Labels by sample id (row_ids [M], col_ids [K], int64, both or neither): a pair other than the
+  // positive with row_ids[i] == col_ids[j] has no term at all when mask_same_ids (neither loss nor
+  // gradient), else z_ij = +1; without ids, the bits of the op without them. With with_grad the
+  // same chunked pass also returns d loss_sum / d (rows, cols, scale, bias) for a unit upstream
+  // gradient, in the inputs' dtypes except fp32 for fp16 features, whose range the sum's gradient
+  // can exceed (empty tensors without with_grad, and for an absent bias): there is no normaliser,
+  // so the gradient is known in the forward.
   // Memory beyond inputs and outputs: an O(M x Kc) workspace of at most about workspace_bytes.
   m.def(
-      "siglip_forward(Tensor rows, Tensor cols, Tensor scale, Tensor? bias, int? pos_offset, bool with_grad, "
-      "int workspace_bytes) -> (Tensor loss_sum, Tensor grad_rows, Tensor grad_cols, Tensor grad_scale, "
-      "Tensor grad_bias)");
+      "siglip_forward(Tensor rows, Tensor cols, Tensor scale, Tensor? bias, int? pos_offset, Tensor? row_ids, "
+      "Tensor? col_ids, bool mask_same_ids, bool with_grad, int workspace_bytes) -> (Tensor loss_sum, "
+      "Tensor grad_rows, Tensor grad_cols, Tensor grad_scale, Tensor grad_bias)");
 
   // Fused distillation statistics (docs/distillation_cuda.md). Student logits s_ij = scale * rows_i .
   // cols_j, teacher logits t^k_ij = teacher_scale[k] * teacher_rows[k, i] . teacher_cols[k, j] for the

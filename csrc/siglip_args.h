@@ -1,6 +1,7 @@
 #pragma once
 // Argument checks of clipshard::siglip_forward, shared by the CPU and CUDA kernels (every error
 // names the op, the argument, what was expected and what came), and the dtype of its saved gradients.
+// row_ids [M] / col_ids [K]: int64, 1-D, on rows' device, both or neither; mask_same_ids needs them.
 #include <ATen/ATen.h>
 
 #include <cstdint>
@@ -11,7 +12,8 @@ namespace clipshard {
 
 void check_siglip_inputs(const at::Tensor& rows, const at::Tensor& cols, const at::Tensor& scale,
                          const std::optional<at::Tensor>& bias, std::optional<int64_t> pos_offset,
-                         int64_t workspace_bytes);
+                         const std::optional<at::Tensor>& row_ids, const std::optional<at::Tensor>& col_ids,
+                         bool mask_same_ids, int64_t workspace_bytes);
 
 // The kernels place row i's positive at column pos_offset + i. A block without positives (pos_offset
 // None: every pair a negative) reaches them as this offset, so far below zero that pos_offset + i -

@@ -101,18 +101,26 @@ def _lse_torch(dtypes, rows, cols, scale, bias, g_row, g_pos, g_col):
 
 
 def _siglip_inputs(dtypes):
+    """Features, scale, bias and sample ids with repeats (the rows' ids those of their positives)."""
     g = torch.Generator(device="cpu").manual_seed(2)
-    return _features(M, dtypes[0], g), _features(K, dtypes[0], g), _scalar(SCALE), _scalar(BIAS)
+    col_ids = torch.randint(0, K // 3, (K,), generator=g, device="cpu")
+    return (_features(M, dtypes[0], g), _features(K, dtypes[0], g), _scalar(SCALE), _scalar(BIAS),
+            col_ids[POS_OFFSET:POS_OFFSET + M].clone(), col_ids)
 
 
-def _siglip_compiled(algorithm, dtypes, rows, cols, scale, bias):
-    return list(torch.ops.clipshard.siglip_forward(rows, cols, scale, bias, POS_OFFSET, True, WORKSPACE))
+def _siglip_compiled(algorithm, dtypes, rows, cols, scale, bias, row_ids, col_ids):
+    """Without ids (the kernel of most calls) and with ids, same-id pairs dropped (the kernel with ids)."""
+    op = torch.ops.clipshard.siglip_forward
+    return (list(op(rows, cols, scale, bias, POS_OFFSET, None, None, False, True, WORKSPACE))
+            + list(op(rows, cols, scale, bias, POS_OFFSET, row_ids, col_ids, True, True, WORKSPACE)))
 
 
-def _siglip_torch(dtypes, rows, cols, scale, bias):
+def _siglip_torch(dtypes, rows, cols, scale, bias, row_ids, col_ids):
     # the torch path keeps the sum's gradients in fp32 here: a reference a little more exact than
     # the op's own 16-bit ones, well within the 16-bit floors
-    return list(siglip_block_torch(rows, cols, scale, bias, POS_OFFSET, True, WORKSPACE, torch.float32))
+    return (list(siglip_block_torch(rows, cols, scale, bias, POS_OFFSET, True, WORKSPACE, torch.float32))
+            + list(siglip_block_torch(rows, cols, scale, bias, POS_OFFSET, True, WORKSPACE, torch.float32, row_ids,
+                                      col_ids, True)))
 
 
 def _distill_inputs(dtypes):

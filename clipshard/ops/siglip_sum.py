@@ -29,7 +29,7 @@ from clipshard.ops.portable_siglip import siglip_block_torch, siglip_sum_torch
 ALGORITHMS = ("auto", "chunked", "torch")
 
 @torch.library.register_fake("clipshard::siglip_forward")
-def _forward_fake(rows, cols, scale, bias, pos_offset, with_grad, workspace_bytes):
+def _forward_fake(rows, cols, scale, bias, pos_offset, row_ids, col_ids, mask_same_ids, with_grad, workspace_bytes):
     torch._check(rows.dim() == 2 and cols.dim() == 2, lambda: "siglip_forward: rows and cols must be 2-D")
     torch._check(rows.shape[1] == cols.shape[1],
                  lambda: "siglip_forward: rows and cols must have the same feature size D")
@@ -48,7 +48,7 @@ def _saved_grad_dtype(dtype):
 
 
 def _setup_context(ctx, inputs, output):
-    rows, cols, scale, bias, pos_offset, with_grad, workspace_bytes = inputs
+    rows, cols, scale, bias, pos_offset, row_ids, col_ids, mask_same_ids, with_grad, workspace_bytes = inputs
     _, grad_rows, grad_cols, grad_scale, grad_bias = output
     ctx.mark_non_differentiable(grad_rows, grad_cols, grad_scale, grad_bias)
     ctx.set_materialize_grads(False)  # else autograd allocates zero "gradients" for the four above
@@ -64,7 +64,7 @@ def _backward(ctx, grad_loss, *unused):
                            "with with_grad=True when a backward will follow (siglip_sum does this)")
     grad_rows, grad_cols, grad_scale, grad_bias = ctx.saved_tensors
     if grad_loss is None:
-        return None, None, None, None, None, None, None
+        return (None,) * 10
     # The saved gradients are those of the sum for a unit upstream gradient; 16-bit ones are scaled
     # in fp32 and rounded once, to the input's dtype.
     def scaled(grad, dtype=None):
@@ -72,23 +72,18 @@ def _backward(ctx, grad_loss, *unused):
 
     rows_dtype, cols_dtype = ctx.feature_dtypes
     return (scaled(grad_rows, rows_dtype), scaled(grad_cols, cols_dtype), scaled(grad_scale),
-            scaled(grad_bias) if ctx.has_bias else None, None, None, None)
+            scaled(grad_bias) if ctx.has_bias else None) + (None,) * 6
 
 
 torch.library.register_autograd("clipshard::siglip_forward", _backward, setup_context=_setup_context)
 
 
-def _compiled_supports(row_ids):
-    """Whether the compiled kernel takes this call: not yet sample ids; those calls run the torch
-    path until it takes them."""
-    return row_ids is None
-
-
 def _sum(rows, cols, scale, bias, pos_offset, with_grad, row_ids, col_ids, mask_same_ids, algorithm, budget):
-    if algorithm == "torch" or not _compiled_supports(row_ids):
+    if algorithm == "torch":
         return siglip_sum_torch(rows, cols, scale, bias, pos_offset, with_grad, budget, _saved_grad_dtype(rows.dtype),
                                 row_ids, col_ids, mask_same_ids)
-    return torch.ops.clipshard.siglip_forward(rows, cols, scale, bias, pos_offset, with_grad, budget)[0]
+    return torch.ops.clipshard.siglip_forward(rows, cols, scale, bias, pos_offset, row_ids, col_ids, mask_same_ids,
+                                              with_grad, budget)[0]
 
 
 def siglip_sum(rows, cols, scale, bias=None, pos_offset=0, *, row_ids=None, col_ids=None, targets=None,
@@ -112,7 +107,6 @@ def siglip_sum(rows, cols, scale, bias=None, pos_offset=0, *, row_ids=None, col_
             extension has its CUDA kernels; "torch" on every other device, with a warning the first
             time; CLIPSHARD_ALGORITHM=torch makes "auto" pick "torch" everywhere), "chunked" or
             "torch" (the same algorithm in PyTorch operations, on any device; docs/portable.md).
-            Calls with ids run "torch" for now, whatever is asked.
         workspace_bytes: budget of the chunk workspace (default: clipshard.ops._workspace's per device).
 
     Returns:
@@ -153,7 +147,8 @@ def siglip_block(rows, cols, scale, bias, pos_offset, with_grad, *, row_ids=None
     algorithm = first_use.resolve("siglip_sum", algorithm, rows.device, ALGORITHMS, rows.dtype)
     budget = _workspace.workspace_bytes("siglip_sum", rows.device, workspace_bytes)
     with torch.no_grad():
-        if algorithm == "torch" or not _compiled_supports(row_ids):
+        if algorithm == "torch":
             return siglip_block_torch(rows, cols, scale, bias, pos_offset, with_grad, budget,
                                       _saved_grad_dtype(rows.dtype), row_ids, col_ids, mask_same_ids)
-        return torch.ops.clipshard.siglip_forward(rows, cols, scale, bias, pos_offset, with_grad, budget)
+        return torch.ops.clipshard.siglip_forward(rows, cols, scale, bias, pos_offset, row_ids, col_ids, mask_same_ids,
+                                                  with_grad, budget)

@@ -3,10 +3,12 @@
 //
 // Per column chunk: one GEMM (fp32 similarities, also for 16-bit features) and one elementwise
 // kernel; with with_grad the kernel also writes the logit gradients in the features' dtype and the
-// driver adds two GEMMs. fp16 logit gradients use the softmax loss's power-of-two prescale
-// (fp16_prescale.cuh) with the bound |scale| (|dl| <= 1), so that gradients near 1e-8 stay fp16
-// numbers; the driver multiplies the row and column gradients back in fp32. The prescale is
-// computed on the device: no host synchronisation anywhere.
+// driver adds two GEMMs. With sample ids the elementwise kernel is siglip_ids_chunk_kernel (kIdRows
+// rows per CTA, labels by id); without them, the kernel of the op before ids, unchanged. fp16
+// logit gradients use the softmax loss's power-of-two prescale (fp16_prescale.cuh) with the bound
+// |scale| (|dl| <= 1), so that gradients near 1e-8 stay fp16 numbers; the driver multiplies the
+// row and column gradients back in fp32. The prescale is computed on the device: no host
+// synchronisation anywhere.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -35,9 +37,24 @@ Tensor fp16_prescale(const Tensor& scale) {
   return fp16_gradient_prescale(scale, one, Tensor(), zero);
 }
 
+// The sample ids (contiguous, on the device), or none.
+struct Ids {
+  Tensor rows, cols;
+  bool mask_same_ids;
+};
+
+// Rows per CTA of the kernel with ids: the most (up to kIdRows, fewer id loads) that still leave
+// four CTAs per SM, so that small batches keep the whole GPU streaming.
+int ids_rows_per_cta(int64_t M) {
+  const int64_t ctas_wanted = 4 * int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  int rows = k::kIdRows;
+  while (rows > 1 && (M + rows - 1) / rows < ctas_wanted) rows /= 2;
+  return rows;
+}
+
 template <typename DL, bool kGrad>
 void launch(const chunked::Chunk& chunk, DL* dlogits, int64_t pos_offset, const Tensor& scale,
-            const std::optional<Tensor>& bias, const Tensor& prescale, Tensor& accumulators) {
+            const std::optional<Tensor>& bias, const Tensor& prescale, const Ids& ids, Tensor& accumulators) {
   const int64_t M = chunk.dots.size(0);
   k::ChunkParams<DL> p{chunk.dots.data_ptr<float>(), dlogits, M, chunk.width, chunk.begin, pos_offset,
                        scale.data_ptr<float>(), bias.has_value() ? bias->data_ptr<float>() : nullptr,
@@ -45,15 +62,25 @@ void launch(const chunked::Chunk& chunk, DL* dlogits, int64_t pos_offset, const 
                        accumulators[0].data_ptr<double>(), accumulators[1].data_ptr<double>(),
                        accumulators[2].data_ptr<double>()};
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  k::siglip_chunk_kernel<DL, kGrad><<<static_cast<unsigned>(M), k::kThreads, 0, stream>>>(p);
+  if (!ids.rows.defined()) {
+    k::siglip_chunk_kernel<DL, kGrad><<<static_cast<unsigned>(M), k::kThreads, 0, stream>>>(p);
+  } else {
+    const int rows_per_cta = ids_rows_per_cta(M);
+    const k::IdChunkParams<DL> q{p, ids.rows.data_ptr<int64_t>(), ids.cols.data_ptr<int64_t>(), ids.mask_same_ids,
+                                 rows_per_cta};
+    const auto ctas = static_cast<unsigned>((M + rows_per_cta - 1) / rows_per_cta);
+    k::siglip_ids_chunk_kernel<DL, kGrad><<<ctas, k::kThreads, 0, stream>>>(q);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> siglip_forward_cuda(
     const Tensor& rows_in, const Tensor& cols_in, const Tensor& scale_in, const std::optional<Tensor>& bias_in,
-    std::optional<int64_t> pos_offset_in, bool with_grad, int64_t workspace_bytes) {
+    std::optional<int64_t> pos_offset_in, const std::optional<Tensor>& row_ids,
+    const std::optional<Tensor>& col_ids, bool mask_same_ids, bool with_grad, int64_t workspace_bytes) {
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  check_siglip_inputs(rows_in, cols_in, scale_in, bias_in, pos_offset_in, workspace_bytes);
+  check_siglip_inputs(rows_in, cols_in, scale_in, bias_in, pos_offset_in, row_ids, col_ids, mask_same_ids,
+                      workspace_bytes);
   const int64_t pos_offset = kernel_pos_offset(pos_offset_in);  // kNoPositives: no positives
   TORCH_CHECK(rows_in.is_cuda(), "siglip_forward: rows must be on a CUDA device, got ", rows_in.device());
   TORCH_CHECK(rows_in.scalar_type() != at::kDouble,
@@ -65,6 +92,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> siglip_forward_cuda(
   const Tensor scale = scale_in.to(at::kFloat).contiguous();
   const std::optional<Tensor> bias =
       bias_in.has_value() ? std::optional<Tensor>(bias_in->to(at::kFloat).contiguous()) : std::nullopt;
+  const Ids ids = row_ids.has_value() ? Ids{row_ids->contiguous(), col_ids->contiguous(), mask_same_ids} : Ids{};
   const int64_t M = rows.size(0), K = cols.size(0);
   const auto grad_dtype = rows.scalar_type();
   const int64_t logit_bytes = 4 + (with_grad ? int64_t(c10::elementSize(grad_dtype)) : 0);
@@ -75,7 +103,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> siglip_forward_cuda(
   Tensor grad_rows = at::empty({0}, rows.options()), grad_cols = at::empty({0}, cols.options());
   if (!with_grad) {
     chunked::for_each_chunk(rows, cols, kc, [&](const chunked::Chunk& chunk) {
-      launch<float, false>(chunk, nullptr, pos_offset, scale, bias, Tensor(), accumulators);
+      launch<float, false>(chunk, nullptr, pos_offset, scale, bias, Tensor(), ids, accumulators);
     });
   } else {
     const Tensor scales = grad_dtype == at::kHalf ? fp16_prescale(scale) : Tensor();
@@ -86,7 +114,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> siglip_forward_cuda(
       auto grads = chunked::chunked_gradients(
           rows, cols, kc, grad_dtype, unscale,
           [&](const chunked::Chunk& chunk, Tensor& dlogits) {
-            launch<DL, true>(chunk, dlogits.data_ptr<DL>(), pos_offset, scale, bias, prescale, accumulators);
+            launch<DL, true>(chunk, dlogits.data_ptr<DL>(), pos_offset, scale, bias, prescale, ids,
+                             accumulators);
           },
           siglip_saved_grad_dtype(grad_dtype));
       grad_rows = grads.first;

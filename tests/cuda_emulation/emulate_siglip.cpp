@@ -1,7 +1,9 @@
 // Runs the CUDA kernel of csrc/cuda/siglip_kernels.cuh on the host through emulate_cuda.h and
 // compares it with a double-precision reference of the same maths: the loss-only pass and the
 // gradient pass with fp32, fp16 (prescaled) and bf16 logit gradients, over several column chunks,
-// with positives and without (a block of the SigLIP ring from another rank).
+// with positives and without (a block of the SigLIP ring from another rank), and the kernel with
+// labels by sample id (siglip_ids_chunk_kernel: same-id pairs +1 or dropped), whose results with ids
+// that match only at the positives must be bit-equal to the kernel without ids.
 // Build: g++ -std=c++20 -O1 -pthread -I<repo>/csrc/cuda -I<repo>/csrc/include -I<torch>/include emulate_siglip.cpp
 // Prints one line per case and exits non-zero on any mismatch. Usage: emulate_siglip [CASE INDEX]
 #include "emulate_cuda.h"
@@ -15,6 +17,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <iterator>
 #include <limits>
 #include <random>
@@ -26,11 +29,55 @@ namespace k = clipshard::siglip_cuda;
 // pos_offset of a block without positives, as csrc/siglip_args.h passes it to the kernel.
 constexpr int64_t kNoPositives = std::numeric_limits<int64_t>::min() / 2;
 
+enum class Ids { kNone, kMulti, kMask };  // no ids; same-id pairs +1; same-id pairs dropped
+
 struct Case {
   int64_t M, K, width, pos_offset;  // columns processed in chunks of `width`
   float scale, bias, prescale;
   bool has_bias, nan_dot;           // nan_dot: one similarity of row 1 is NaN
+  Ids ids = Ids::kNone;
+  int64_t distinct_ids = 0;         // ids drawn from [0, distinct_ids) (1: all equal)
+  int rows_per_cta = k::kIdRows;    // of the kernel with ids
 };
+
+static const char* ids_name(Ids ids) { return ids == Ids::kNone ? "" : ids == Ids::kMulti ? " ids-multi" : " ids-mask"; }
+
+// The kernel's outputs over all chunks: per-row sums and the M x K logit gradients.
+template <typename DL>
+struct Outputs {
+  std::vector<double> loss, grad_scale, grad_bias;
+  std::vector<DL> dlogits;
+};
+
+// Runs the kernel (with ids: siglip_ids_chunk_kernel) over the column chunks of `dots`.
+template <typename DL, bool kGrad>
+static Outputs<DL> run_kernel(const Case& c, const std::vector<float>& dots, const std::vector<int64_t>& row_ids,
+                              const std::vector<int64_t>& col_ids, bool with_ids) {
+  const int64_t M = c.M, K = c.K;
+  Outputs<DL> out{std::vector<double>(M, 0.0), std::vector<double>(M, 0.0), std::vector<double>(M, 0.0),
+                  std::vector<DL>(M * K)};
+  const float* bias = c.has_bias ? &c.bias : nullptr;
+  const float* prescale = c.prescale != 1.0f ? &c.prescale : nullptr;
+  for (int64_t begin = 0; begin < K; begin += c.width) {
+    const int64_t width = std::min(c.width, K - begin);
+    std::vector<float> chunk(M * width);  // the driver's contiguous M x width workspace
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < width; ++j) chunk[i * width + j] = dots[i * K + begin + j];
+    std::vector<DL> chunk_dl(M * width);
+    k::ChunkParams<DL> p{chunk.data(), kGrad ? chunk_dl.data() : nullptr, M, width, begin, c.pos_offset,
+                         &c.scale, bias, prescale, out.loss.data(), out.grad_scale.data(), out.grad_bias.data()};
+    if (with_ids) {
+      const k::IdChunkParams<DL> q{p, row_ids.data(), col_ids.data(), c.ids == Ids::kMask, c.rows_per_cta};
+      const auto ctas = static_cast<unsigned>((M + c.rows_per_cta - 1) / c.rows_per_cta);
+      emulate_launch(k::siglip_ids_chunk_kernel<DL, kGrad>, ctas, k::kThreads, q);
+    } else {
+      emulate_launch(k::siglip_chunk_kernel<DL, kGrad>, static_cast<unsigned>(M), k::kThreads, p);
+    }
+    for (int64_t i = 0; i < M; ++i)
+      for (int64_t j = 0; j < width; ++j) out.dlogits[i * K + begin + j] = chunk_dl[i * width + j];
+  }
+  return out;
+}
 
 static bool close(double got, double want, double rtol, double atol, const char* what, int64_t index) {
   if (std::isnan(want) ? std::isnan(got) : std::fabs(got - want) <= atol + rtol * std::fabs(want)) return true;
@@ -53,22 +100,15 @@ static bool run_case(const Case& c, std::mt19937& gen) {
   std::vector<float> dots(M * K);
   for (auto& v : dots) v = normal(gen);
   if (c.nan_dot) dots[1 * K + K / 2] = NAN;
-  std::vector<double> loss(M, 0.0), grad_scale(M, 0.0), grad_bias(M, 0.0);
-  std::vector<DL> dlogits(M * K);
-  const float* bias = c.has_bias ? &c.bias : nullptr;
-  const float* prescale = c.prescale != 1.0f ? &c.prescale : nullptr;
-  for (int64_t begin = 0; begin < K; begin += c.width) {
-    const int64_t width = std::min(c.width, K - begin);
-    std::vector<float> chunk(M * width);  // the driver's contiguous M x width workspace
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t j = 0; j < width; ++j) chunk[i * width + j] = dots[i * K + begin + j];
-    std::vector<DL> chunk_dl(M * width);
-    k::ChunkParams<DL> p{chunk.data(), kGrad ? chunk_dl.data() : nullptr, M, width, begin, c.pos_offset,
-                         &c.scale, bias, prescale, loss.data(), grad_scale.data(), grad_bias.data()};
-    emulate_launch(k::siglip_chunk_kernel<DL, kGrad>, static_cast<unsigned>(M), k::kThreads, p);
-    for (int64_t i = 0; i < M; ++i)
-      for (int64_t j = 0; j < width; ++j) dlogits[i * K + begin + j] = chunk_dl[i * width + j];
+  std::vector<int64_t> row_ids(M), col_ids(K);
+  if (c.ids != Ids::kNone) {
+    std::uniform_int_distribution<int64_t> draw(0, c.distinct_ids - 1);
+    for (auto& v : row_ids) v = draw(gen);
+    for (auto& v : col_ids) v = draw(gen);
   }
+  const Outputs<DL> out = run_kernel<DL, kGrad>(c, dots, row_ids, col_ids, c.ids != Ids::kNone);
+  const std::vector<double>&loss = out.loss, &grad_scale = out.grad_scale, &grad_bias = out.grad_bias;
+  const std::vector<DL>& dlogits = out.dlogits;
 
   bool ok = true;
   const double s = c.scale, b = c.has_bias ? c.bias : 0.0;
@@ -80,11 +120,14 @@ static bool run_case(const Case& c, std::mt19937& gen) {
   for (int64_t i = 0; i < M; ++i) {
     double want_loss = 0, want_scale = 0, want_bias = 0;
     for (int64_t j = 0; j < K; ++j) {
-      const double dot = dots[i * K + j], z = j == c.pos_offset + i ? 1.0 : -1.0;
+      // the label rule of siglip_forward: +1 for the positive; same id: +1 or no term; else -1
+      const bool positive = j == c.pos_offset + i, same = c.ids != Ids::kNone && row_ids[i] == col_ids[j];
+      const bool dropped = same && !positive && c.ids == Ids::kMask;
+      const double dot = dots[i * K + j], z = positive || same ? 1.0 : -1.0;
       const double t = -z * (s * dot + b);
       const double e = std::exp(-std::fabs(t));
-      const double dl = -z * (t >= 0 ? 1.0 : e) / (1.0 + e);
-      want_loss += std::max(t, 0.0) + std::log1p(e);
+      const double dl = dropped ? 0.0 : -z * (t >= 0 ? 1.0 : e) / (1.0 + e);
+      want_loss += dropped ? 0.0 : std::max(t, 0.0) + std::log1p(e);
       want_scale += dl * dot;
       want_bias += dl;
       if (kGrad) {
@@ -102,9 +145,34 @@ static bool run_case(const Case& c, std::mt19937& gen) {
     }
     if (!ok) return false;
   }
-  std::printf("ok %s %s M=%lld K=%lld width=%lld scale=%g bias=%s nan=%d%s\n", kGrad ? "grad" : "loss", name<DL>(),
-              static_cast<long long>(M), static_cast<long long>(K), static_cast<long long>(c.width), c.scale,
-              c.has_bias ? "yes" : "no", c.nan_dot ? 1 : 0, c.pos_offset == kNoPositives ? " no-positives" : "");
+  std::printf("ok %s %s M=%lld K=%lld width=%lld scale=%g bias=%s nan=%d%s%s\n", kGrad ? "grad" : "loss",
+              name<DL>(), static_cast<long long>(M), static_cast<long long>(K), static_cast<long long>(c.width),
+              c.scale, c.has_bias ? "yes" : "no", c.nan_dot ? 1 : 0,
+              c.pos_offset == kNoPositives ? " no-positives" : "", ids_name(c.ids));
+  return ok;
+}
+
+template <typename T>
+static bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0;
+}
+
+// Ids that match only at the positives (row i: pos_offset + i; column j: j): the kernel with ids
+// gives the bits of the kernel without them.
+template <typename DL, bool kGrad>
+static bool run_distinct_ids_case(const Case& c, std::mt19937& gen) {
+  std::normal_distribution<float> normal(0.f, 0.4f);
+  std::vector<float> dots(c.M * c.K);
+  for (auto& v : dots) v = normal(gen);
+  std::vector<int64_t> row_ids(c.M), col_ids(c.K);
+  for (int64_t i = 0; i < c.M; ++i) row_ids[i] = c.pos_offset + i;
+  for (int64_t j = 0; j < c.K; ++j) col_ids[j] = j;
+  const Outputs<DL> plain = run_kernel<DL, kGrad>(c, dots, row_ids, col_ids, false);
+  const Outputs<DL> with_ids = run_kernel<DL, kGrad>(c, dots, row_ids, col_ids, true);
+  const bool ok = same_bits(plain.loss, with_ids.loss) && same_bits(plain.grad_scale, with_ids.grad_scale) &&
+                  same_bits(plain.grad_bias, with_ids.grad_bias) && same_bits(plain.dlogits, with_ids.dlogits);
+  std::printf("%s %s %s distinct ids bit-equal to no ids (%d rows per CTA)\n", ok ? "ok" : "  MISMATCH",
+              kGrad ? "grad" : "loss", name<DL>(), c.rows_per_cta);
   return ok;
 }
 
@@ -118,6 +186,12 @@ int main(int argc, char** argv) {
       {7, 257, 128, 250, 1.f, 0.f, 1.f, false, false},     // positives in the last, one-column-wide chunk
       {4, 513, 512, 100, 30.f, -5.f, 1.f, true, true},     // a NaN similarity: row 1 all NaN
       {3, 300, 128, kNoPositives, 10.f, -10.f, 1.f, true, false},  // no positives: every pair a negative
+      // labels by id: a partial last CTA of rows (13 = 8 + 5), ~1 in 20 pairs same-id, ragged chunks
+      {13, 700, 256, 300, 10.f, -10.f, 1.f, true, false, Ids::kMulti, 20},
+      {13, 700, 256, 300, 10.f, -10.f, 1.f, true, false, Ids::kMask, 20, 3},  // 3 rows per CTA
+      {5, 300, 128, 0, 30.f, -5.f, 1.f, true, false, Ids::kMask, 1},    // all ids equal: only the positives
+      {9, 300, 128, 0, 100.f, 20.f, 1.f, false, false, Ids::kMulti, 1},  // all ids equal: every pair +1
+      {9, 300, 128, kNoPositives, 10.f, -10.f, 1.f, true, false, Ids::kMask, 7},  // ids without positives
   };
   bool ok = true;
   for (int n = 0; n < static_cast<int>(std::size(cases)); ++n) {
@@ -129,6 +203,17 @@ int main(int argc, char** argv) {
     Case fp16 = c;
     fp16.prescale = clipshard::fp16_prescale::prescale_for_bound(std::fabs(c.scale));  // as siglip.cu
     ok &= run_case<c10::Half, true>(fp16, gen);
+  }
+  if (argc == 1) {
+    for (const int rows_per_cta : {k::kIdRows, 1}) {
+      const Case distinct{11, 513, 256, 100, 10.f, -10.f, 1.f, true, false, Ids::kMulti, 0, rows_per_cta};
+      ok &= run_distinct_ids_case<float, false>(distinct, gen);
+      ok &= run_distinct_ids_case<float, true>(distinct, gen);
+      ok &= run_distinct_ids_case<c10::BFloat16, true>(distinct, gen);
+      Case fp16 = distinct;
+      fp16.prescale = clipshard::fp16_prescale::prescale_for_bound(std::fabs(distinct.scale));
+      ok &= run_distinct_ids_case<c10::Half, true>(fp16, gen);
+    }
   }
   std::printf(ok ? "ALL OK\n" : "FAILED\n");
   return ok ? 0 : 1;

@@ -1,40 +1,65 @@
-"""The CUDA kernel of the chunked SigLIP loss (csrc/cuda/siglip_kernels.cuh), run on the CPU.
+"""The CUDA kernels of the chunked SigLIP loss (csrc/cuda/siglip_kernels.cuh), run on the CPU.
 
-tests/cuda_emulation/emulate_siglip.cpp compiles the kernel as host C++ with one thread per CUDA
+tests/cuda_emulation/emulate_siglip.cpp compiles the kernels as host C++ with one thread per CUDA
 thread (tests/cuda_emulation/emulate_cuda.h) and compares the per-row sums and the logit gradients
 (fp32, bf16, and fp16 with the power-of-two prescale) of several column chunks with a double
-reference, with positives and without (the ring's blocks from other ranks). This checks the kernel's
-indexing, positives, reductions and prescale without a GPU; what only hardware shows (speed, the
-real GEMMs around it) is left to tests/ops/test_siglip_cuda.py. A copy of the kernel that keeps the
-positive's column in 32 bits (which turns the no-positives marker into a positive per row) fails."""
+reference, with positives and without (the ring's blocks from other ranks), and with labels by
+sample id (siglip_ids_chunk_kernel: same-id pairs +1, or dropped with mask_same_ids; ids that match
+only at the positives must give the bits of the kernel without ids). This checks the kernels'
+indexing, positives, labels, reductions and prescale without a GPU; what only hardware shows (speed,
+the real GEMMs around them) is left to tests/ops/test_siglip_cuda.py and test_siglip_ids.py. Broken
+copies fail: one that keeps the positive's column in 32 bits (which turns the no-positives marker
+into a positive per row), one without the +1 label of same-id pairs, one that never drops them."""
 import subprocess
 
 import pytest
 
-from tests.cuda_emulation.emulation_utils import HARNESSES, build_real_and_broken
+from tests.cuda_emulation.emulation_utils import HARNESSES, broken_copy, finish_builds, start_build
 
 PATHS = ("loss fp32", "grad fp32", "grad bf16", "grad fp16")
+SOURCE = HARNESSES / "emulate_siglip.cpp"
+KERNEL = "siglip_kernels.cuh"
+# name: (right text, wrong text) of each broken copy of the kernel
+BROKEN = {
+    "int32_positive": ("const int64_t pos = p.pos_offset + i - p.begin;",
+                       "const int pos = static_cast<int>(p.pos_offset + i - p.begin);"),
+    "no_same_id_label": ("const float z = positive || same ? 1.0f : -1.0f;", "const float z = positive ? 1.0f : -1.0f;"),
+    "no_mask": ("q.mask_same_ids;  // no term", "false;  // no term"),
+}
+# case indices in emulate_siglip.cpp
+NO_POSITIVES, IDS_MULTI, IDS_MASK = "4", "5", "6"
 
 
 @pytest.fixture(scope="module")
 def harnesses(tmp_path_factory):
-    return build_real_and_broken(
-        tmp_path_factory.mktemp("siglip_emulation"), HARNESSES / "emulate_siglip.cpp", "siglip_kernels.cuh",
-        "const int64_t pos = p.pos_offset + i - p.begin;", "const int pos = static_cast<int>(p.pos_offset + i - p.begin);")
+    tmp = tmp_path_factory.mktemp("siglip_emulation")
+    builds = {"real": start_build(SOURCE, tmp / "real")}
+    for name, (right, wrong) in BROKEN.items():
+        builds[name] = start_build(SOURCE, tmp / name, broken_copy(KERNEL, tmp / f"{name}_kernel", right, wrong))
+    finish_builds(builds)
+    return {name: tmp / name for name in builds}
+
+
+def run(exe, *case):
+    return subprocess.run([str(exe), *case], capture_output=True, text=True, timeout=600)
 
 
 def test_siglip_cuda_kernel_matches_double_reference_in_host_emulation(harnesses):
-    run = subprocess.run([str(harnesses[0])], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and "ALL OK" in run.stdout, run.stdout + run.stderr
+    out = run(harnesses["real"])
+    assert out.returncode == 0 and "ALL OK" in out.stdout, out.stdout + out.stderr
     for path in PATHS:
-        assert run.stdout.count(f"ok {path}") == 5, path
-    assert run.stdout.count("no-positives") == 4
+        assert out.stdout.count(f"ok {path} M=") == 10, path
+        assert out.stdout.count(f"ok {path} distinct ids bit-equal to no ids") == 2, path
+    assert out.stdout.count("no-positives") == 8
+    assert out.stdout.count("ids-multi") == 8 and out.stdout.count("ids-mask") == 12
 
 
-def test_siglip_emulation_catches_a_kernel_that_breaks_the_no_positives_mode(harnesses):
-    no_positives = "4"  # the case index in emulate_siglip.cpp
-    run = subprocess.run([str(harnesses[1]), no_positives], capture_output=True, text=True, timeout=600)
-    assert run.returncode != 0 and "MISMATCH" in run.stdout and "no-positives" not in run.stdout, run.stdout
+@pytest.mark.parametrize("broken, case, mark", [("int32_positive", NO_POSITIVES, "no-positives"),
+                                                ("no_same_id_label", IDS_MULTI, "ids-multi"),
+                                                ("no_mask", IDS_MASK, "ids-mask")])
+def test_siglip_emulation_catches_a_broken_kernel(harnesses, broken, case, mark):
+    out = run(harnesses[broken], case)
+    assert out.returncode != 0 and "MISMATCH" in out.stdout and mark not in out.stdout, out.stdout
     # the same case passes with the real kernel
-    run = subprocess.run([str(harnesses[0]), no_positives], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0 and run.stdout.count("no-positives") == 4, run.stdout
+    out = run(harnesses["real"], case)
+    assert out.returncode == 0 and out.stdout.count(mark) == 4, out.stdout

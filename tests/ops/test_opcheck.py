@@ -127,9 +127,15 @@ def _siglip_forward(device):
     s, b = _scalar(10.0, torch.float32, device), _scalar(-10.0, torch.float32, device)
     grad_args = _grad(rows, cols, s, b)
     wide = _grad(rows.to(_wide(device)), cols.to(_wide(device)), _scalar(10.0, _wide(device), device))
-    return [(rows, cols, s, None, 3, False, 1 << 20), (rows, cols, s, b, 0, True, 1 << 20), (*grad_args, 3, True, 1),
-            (*wide, None, 25, True, 1 << 20),
-            (*grad_args, None, True, 1)]  # a block without positives
+    gen = torch.Generator().manual_seed(10)  # sample ids with repeats: same-id pairs off the positives
+    row_ids, col_ids = (torch.randint(0, 12, (n,), generator=gen).to(device) for n in (20, 45))
+    no_ids = (None, None, False)
+    return [(rows, cols, s, None, 3, *no_ids, False, 1 << 20), (rows, cols, s, b, 0, *no_ids, True, 1 << 20),
+            (*grad_args, 3, *no_ids, True, 1), (*wide, None, 25, *no_ids, True, 1 << 20),
+            (*grad_args, None, *no_ids, True, 1),  # a block without positives
+            (rows, cols, s, b, 3, row_ids, col_ids, True, False, 1 << 20),  # labels by id: masked, +1
+            (*grad_args, 3, row_ids, col_ids, True, True, 1), (*grad_args, None, row_ids, col_ids, False, True, 1),
+            (*wide, None, 25, row_ids, col_ids, False, True, 1 << 20)]
 
 
 def _distill_inputs(device, dtype, seed):

@@ -134,8 +134,8 @@ def test_chunk_boundaries(dtype):
             rows, cols = features(m, d, dtype, seed=3), features(k, d, dtype, seed=4)
             acc = torch.float64 if dtype == torch.float64 else torch.float32
             s, b = torch.tensor(10.0, dtype=acc), torch.tensor(-10.0, dtype=acc)
-            got = OPS.siglip_forward(rows, cols, s, b, pos_offset, with_grad, budget)
-            whole = OPS.siglip_forward(rows, cols, s, b, pos_offset, with_grad, 1 << 30)
+            got = OPS.siglip_forward(rows, cols, s, b, pos_offset, None, None, False, with_grad, budget)
+            whole = OPS.siglip_forward(rows, cols, s, b, pos_offset, None, None, False, with_grad, 1 << 30)
             ref = siglip_sum_reference(rows, cols, s, b, pos_offset)
             assert abs(got[0].item() - ref.item()) <= loss_tol(dtype, 10.0) * ref.item(), (m, k, budget)
             for g, w in zip(got[1:], whole[1:]):
@@ -321,13 +321,13 @@ def test_no_gradients_without_grad_mode():
     """Without autograd the op runs its loss-only pass and returns empty gradients."""
     rows, cols = features(10, 4, torch.float32, seed=12), features(30, 4, torch.float32, seed=13)
     s = torch.tensor(10.0, requires_grad=True)
-    out = OPS.siglip_forward(rows, cols, s.detach(), None, 0, False, 1 << 20)
+    out = OPS.siglip_forward(rows, cols, s.detach(), None, 0, None, None, False, False, 1 << 20)
     assert all(g.numel() == 0 for g in out[1:])
-    with_grad = OPS.siglip_forward(rows, cols, s.detach(), None, 0, True, 1 << 20)
+    with_grad = OPS.siglip_forward(rows, cols, s.detach(), None, 0, None, None, False, True, 1 << 20)
     assert abs(out[0].item() - with_grad[0].item()) <= 1e-6 * with_grad[0].item()
     with torch.no_grad():
         assert not siglip_sum(rows, cols, s).requires_grad
-    loss = OPS.siglip_forward(rows, cols, s, None, 0, False, 1 << 20)[0]
+    loss = OPS.siglip_forward(rows, cols, s, None, 0, None, None, False, False, 1 << 20)[0]
     with pytest.raises(RuntimeError, match="with_grad=False"):
         loss.backward()
 
@@ -351,8 +351,8 @@ g = torch.Generator().manual_seed(0)
 rows = torch.nn.functional.normalize(torch.randn(70, 24, generator=g, dtype=torch.float64), dim=1).float()
 cols = torch.nn.functional.normalize(torch.randn(333, 24, generator=g, dtype=torch.float64), dim=1).float()
 s, b = torch.tensor(30.0), torch.tensor(-5.0)
-with_grad = torch.ops.clipshard.siglip_forward(rows, cols, s, b, 250, True, 1)
-loss_only = torch.ops.clipshard.siglip_forward(rows, cols, s, b, 250, False, 1)[0]
+with_grad = torch.ops.clipshard.siglip_forward(rows, cols, s, b, 250, None, None, False, True, 1)
+loss_only = torch.ops.clipshard.siglip_forward(rows, cols, s, b, 250, None, None, False, False, 1)[0]
 torch.save([rows, cols, loss_only, *with_grad], sys.argv[1])
 """
 
@@ -399,16 +399,16 @@ def test_bad_input_op():
     """The C++ op checks its arguments itself (it is public through torch.ops)."""
     fwd, ok, s = OPS.siglip_forward, torch.ones(3, 2), torch.tensor(1.0)
     cases = [
-        ((torch.ones(3), ok, s, None, 0, True, 1), "rows must be 2-D"),
-        ((ok, ok.double(), s, None, 0, True, 1), "same dtype"),
-        ((ok, torch.ones(3, 5), s, None, 0, True, 1), "same feature size D"),
-        ((ok.int(), ok.int(), s, None, 0, True, 1), "float32, float16, bfloat16 or float64"),
-        ((ok[:0], ok, s, None, 0, True, 1), "empty inputs"),
-        ((ok, ok, torch.ones(1), None, 0, True, 1), "scale must be a 0-dim"),
-        ((ok, ok, s, torch.tensor(1), 0, True, 1), "bias must be a floating-point"),
-        ((ok, ok, s, None, 1, True, 1), "pos_offset"),
-        ((ok, ok, s, None, -1, True, 1), "pos_offset"),
-        ((ok, ok, s, None, 0, True, 0), "workspace_bytes"),
+        ((torch.ones(3), ok, s, None, 0, None, None, False, True, 1), "rows must be 2-D"),
+        ((ok, ok.double(), s, None, 0, None, None, False, True, 1), "same dtype"),
+        ((ok, torch.ones(3, 5), s, None, 0, None, None, False, True, 1), "same feature size D"),
+        ((ok.int(), ok.int(), s, None, 0, None, None, False, True, 1), "float32, float16, bfloat16 or float64"),
+        ((ok[:0], ok, s, None, 0, None, None, False, True, 1), "empty inputs"),
+        ((ok, ok, torch.ones(1), None, 0, None, None, False, True, 1), "scale must be a 0-dim"),
+        ((ok, ok, s, torch.tensor(1), 0, None, None, False, True, 1), "bias must be a floating-point"),
+        ((ok, ok, s, None, 1, None, None, False, True, 1), "pos_offset"),
+        ((ok, ok, s, None, -1, None, None, False, True, 1), "pos_offset"),
+        ((ok, ok, s, None, 0, None, None, False, True, 0), "workspace_bytes"),
     ]
     for args, message in cases:
         with pytest.raises(RuntimeError, match=message):

@@ -41,7 +41,8 @@ def test_matches_fp64_reference(dtype, shape, workspace_bytes):
     for name, got, want, x in zip(("rows", "cols", "scale", "bias"), grads, ref_grads, leaves):
         assert got.dtype == x.dtype and got.shape == x.shape and got.is_cuda, name
         assert rel_error(got, want) <= (grad_tol if name in ("rows", "cols") else 1e-4), name
-    without_grad = OPS.siglip_forward(*[x.detach() for x in leaves], pos_offset, False, workspace_bytes)
+    without_grad = OPS.siglip_forward(*[x.detach() for x in leaves], pos_offset, None, None, False, False,
+                                      workspace_bytes)
     assert rel_error(without_grad[0], ref) <= loss_tol and all(g.numel() == 0 for g in without_grad[1:])
 
 
