@@ -1,4 +1,4 @@
-"""Sample ids and hard negatives (issue 33): clipshard.clip_loss against the materialised PyTorch
+"""Sample ids and hard negatives: clipshard.clip_loss against the materialised PyTorch
 loss of the same objective, forward + backward, one device.
 
 Configurations (B pairs, features B x D, normalised, logit scale 14.3):
@@ -13,7 +13,7 @@ For each: median time of the forward + backward (benchmarks/_measure.py: wall-cl
 events on CUDA), peak memory the call allocates beyond its inputs (feature gradients included),
 and the two losses' relative difference (a check that both compute the same objective). The
 ratios: clipshard over the materialised loss, and clipshard over clipshard's plain loss, against
-the targets of issue 33 (peak <= 1/20 of the materialised at h = 3; ids <= 1.15 x plain; h
+the targets set for this benchmark (peak <= 1/20 of the materialised at h = 3; ids <= 1.15 x plain; h
 negatives <= 1.15 (1 + h) x plain; below the materialised everywhere), printed as checks.
 
     python benchmarks/bench_targets.py --device cpu --json bench_results/targets_cpu.json
@@ -143,7 +143,7 @@ def run(batch, dim, device, scale, repeats, hard_negatives_per_row=HARD_NEGATIVE
 
 
 def checks(rows):
-    """[(target, measured, holds)]: issue 33's targets on these rows."""
+    """[(target, measured, holds)]: the targets set for this benchmark on these rows."""
     found = []
     for r in rows:
         if r["h"] == 3:

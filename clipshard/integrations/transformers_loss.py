@@ -16,7 +16,7 @@ w_r = 1. The mean of the ranks' losses, which Trainer logs, is that global loss 
 
 Without torch.distributed (or with one rank) it is clipshard's fused single-device loss.
 
-Sample ids, targets and hard negatives (issue 33) go to the loss as its keywords; they change
+Sample ids, targets and hard negatives go to the loss as its keywords; they change
 neither the normalisation nor w_r, so the argument above holds for them too.
 """
 import functools

@@ -69,7 +69,7 @@ NOT_COVERED = ("AlignModel", "BlipModel", "BridgeTowerForContrastiveLearning", "
 # forward arguments that only one tower takes; everything else (output_attentions, ...) goes to both
 IMAGE_ARGS = ("pixel_values", "interpolate_pos_encoding", "pixel_attention_mask", "spatial_shapes")
 TEXT_ARGS = ("input_ids", "attention_mask", "token_type_ids", "position_ids")
-# the patched forwards' own keywords (issue 33): the pairs' ids, their targets, and hard negative texts
+# the patched forwards' own keywords: the pairs' ids, their targets, and hard negative texts
 # as hard_negative_<text argument> (hard_negative_input_ids, hard_negative_attention_mask, ...)
 NEGATIVE_PREFIX = "hard_negative_"
 EXTRA_ARGS = ("sample_ids", "targets", *(NEGATIVE_PREFIX + name for name in TEXT_ARGS))

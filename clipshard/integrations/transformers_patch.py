@@ -51,7 +51,7 @@ def _with_global_loss(original, entry, logits, micro_batch_size):
 
     @functools.wraps(original)  # keeps the name, docstring and (with the extras below) the signature Trainer reads
     def forward(self, *args, **kwargs):
-        # the loss's own keywords (issue 33); they change only the loss, so calls without return_loss ignore them
+        # the loss's own keywords; they change only the loss, so calls without return_loss ignore them
         extras = {name: kwargs.pop(name) for name in models.EXTRA_ARGS if name in kwargs}
         # return_dict is a parameter in 4.5x's signatures, a keyword their wrapper takes in later ones
         return_dict = kwargs.get("return_dict")

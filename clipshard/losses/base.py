@@ -6,7 +6,7 @@ codes that name loss options across ranks, and the cross-rank validation of the 
 and every rank checks all rows with the same code, so that a bad input or ranks that disagree raise
 the same error on every rank instead of leaving some of them waiting in a collective. The loss's
 options travel as explicit fields (OPTIONS), so a disagreement names the option. The optional
-inputs of issue 33 (sample_ids, targets, hard_negatives, direction; `Extras`) travel in the same
+inputs beyond the diagonal (sample_ids, targets, hard_negatives, direction; `Extras`) travel in the same
 row: their problems as codes, their presence, targets, direction and the hard negatives' count,
 feature size and dtype as fields (docs/targets.md).
 """
@@ -139,7 +139,7 @@ DIRECTIONS = ("both", "image_to_text")
 
 @dataclass(frozen=True)
 class Extras:
-    """A loss's optional inputs of issue 33, as the caller gave them (docs/targets.md).
+    """A loss's optional inputs beyond the diagonal, as the caller gave them (docs/targets.md).
 
     sample_ids: None or a 1-D int64 tensor, one global id per local pair, on the features' device.
     targets: None, "mask" or "multi" (None means `default_targets` when sample_ids is given).

@@ -21,7 +21,7 @@ def _single_device_loss(image_features, text_features, logit_scale, logit_bias=N
 
 
 def _single_device_targets_loss(image, text, scale, bias, algorithm, pairs):
-    """The loss with issue 33's options on one device (docs/targets.md): row i's LSE over the texts
+    """The loss with sample ids, targets and hard negatives on one device (docs/targets.md): row i's LSE over the texts
     (targets "mask": without the same-id pairs other than its own) and the hard negatives, minus its
     positive (its own pair, or with "multi" the mean logit of the texts of its id); the columns
     likewise over the images (with "multi", the mean logit of the images of its id), without the
@@ -90,7 +90,7 @@ def clip_loss(image_features, text_features, logit_scale, logit_bias=None, *, lo
     slower on small problems). algorithm: contrastive_lse's ("auto", "fused", "chunked" or "torch";
     docs/portable.md). Returns a 0-dim fp32 tensor (fp64 for fp64 features).
 
-    Issue 33's options (docs/targets.md), none of which changes the loss when left at its default:
+    Beyond the diagonal (docs/targets.md); none of these changes the loss when left at its default:
     direction: "both" (open_clip's (CE_i2t + CE_t2i) / 2) or "image_to_text" (the rows' CE only,
     query -> documents, not halved). hard_negatives: H_r x D tensor like text_features (H_r may
     differ per rank, 0 allowed): extra columns in every image row's denominator (gathered over

@@ -14,7 +14,7 @@ so that open_clip's per-rank loss (local_loss=True) is P_r / (2M) and its full-b
 - ring: exchange's maths with the text blocks passed around the ring instead of gathered
   (clipshard/parallel/ring.py).
 
-With the optional inputs of issue 33 (`PairTargets`, docs/targets.md) the same structure holds:
+With the optional inputs beyond the diagonal (`PairTargets`, docs/targets.md) the same structure holds:
 sample ids travel with the features (gathered like them), targets "mask" leave the same-id pairs
 out of the LSEs, "multi" replaces S_ii by the mean logit of the same-id pairs (exchange: the column
 sums over every rank's rows are all-reduced, NM floats and NM counts), hard negatives are gathered
@@ -33,7 +33,7 @@ from clipshard.parallel.ring import ring_partial
 
 @dataclass(frozen=True)
 class PairTargets:
-    """The options of issue 33 as the modes use them (validated across ranks by the losses):
+    """The options beyond the diagonal as the modes use them (validated across ranks by the losses):
     sample_ids [M] int64 or None, targets None / "mask" / "multi" (None exactly when sample_ids
     is None), hard_negatives H_r x D or None, direction "both" or "image_to_text"."""
 
@@ -44,7 +44,7 @@ class PairTargets:
 
     @property
     def plain(self):
-        """Nothing of issue 33: the modes run today's code, bit for bit."""
+        """None of them: the modes run today's code, bit for bit."""
         return self.sample_ids is None and self.hard_negatives is None and self.direction == "both"
 
     @property

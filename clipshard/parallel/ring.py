@@ -24,7 +24,7 @@ Each rank's per-block work and its logit_scale / logit_bias gradient are those o
 point-to-point pass (blocks in flight, travelling accumulators) is clipshard/parallel/_ring_pass.py, shared
 with SigLIP's ring mode.
 
-Issue 33 (docs/targets.md): the sample ids of a text block travel with it (and with its column LSE
+Sample ids (docs/targets.md): the sample ids of a text block travel with it (and with its column LSE
 in the backward). Targets "mask": every block call gets the ids; the foreign blocks have no
 positives (pos_offset None), so that every same-id pair there leaves the LSEs. Targets "multi":
 the LSEs are those without ids; the positives (mean same-id logits of this rank's rows and of its

@@ -1,4 +1,4 @@
-"""Materialised fp64 references of issue 33's objectives (docs/targets.md) on one device, for the
+"""Materialised fp64 references of the sample-id and hard-negative objectives (docs/targets.md) on one device, for the
 integrations' tests: the full logits, same-id pairs masked / averaged, hard negatives as extra columns."""
 import torch
 import torch.nn.functional as F

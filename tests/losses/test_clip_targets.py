@@ -1,4 +1,4 @@
-"""clip_loss / ClipLoss on one device with issue 33's options (sample ids with targets "mask" / "multi",
+"""clip_loss / ClipLoss on one device beyond the diagonal (sample ids with targets "mask" / "multi",
 hard negatives, direction) against the materialised fp64 reference (tests/references/clip_targets.py):
 loss and the gradients of image, text, hard negatives, logit_scale and logit_bias."""
 import pytest

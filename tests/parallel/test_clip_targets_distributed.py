@@ -1,4 +1,4 @@
-"""ClipLoss / clip_loss with issue 33's options over real gloo groups (docs/targets.md): sample ids
+"""ClipLoss / clip_loss with sample ids, targets and hard negatives over real gloo groups (docs/targets.md): sample ids
 shared across ranks with targets "mask" / "multi", hard negatives (a rank with none among them),
 direction, unequal batches, every mode and (local_loss, gather_with_grad) combination, against
 the materialised fp64 reference with open_clip's per-rank gradient semantics

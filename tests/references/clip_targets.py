@@ -1,4 +1,4 @@
-"""fp64 references of clip_loss / ClipLoss with issue 33's options (docs/targets.md): sample ids with
+"""fp64 references of clip_loss / ClipLoss beyond the diagonal (docs/targets.md): sample ids with
 targets "mask" / "multi", hard negatives (extra columns), direction. Everything is materialised:
 the logits of the global batch, the same-id masks, the extra columns.
 

@@ -1,4 +1,4 @@
-"""clipshard.GradCache with sample ids and hard negative texts (issue 33): sample_ids reach loss_fn
+"""clipshard.GradCache with sample ids and hard negative texts: sample_ids reach loss_fn
 whole; the hard negatives run through encode_text in micro-batches in both passes; loss and every
 parameter gradient equal the plain step's (fp64 within 1e-10, dropout on, odd sizes, upstream
 0.5 / M), for "mask" and "multi" targets, dict and tuple outputs, nested backward and `parameters`

@@ -1,4 +1,4 @@
-"""apply_to_transformers with issue 33's forward keywords: sample_ids, targets and hard negative texts
+"""apply_to_transformers with its sample-id and hard-negative keywords: sample_ids, targets and hard negative texts
 (hard_negative_input_ids, hard_negative_attention_mask, ...). The patched forward's signature lists
 them (what Trainer keeps of a dataset's columns); the loss and every parameter gradient equal a
 materialised fp64 reference of the objective on the model's own embeddings (CLIPModel and
