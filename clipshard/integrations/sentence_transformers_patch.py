@@ -92,32 +92,27 @@ def _calculate_loss(original, labels_as_ids):
 _WRAPPERS = {"compute_loss_from_embeddings": _compute_loss_from_embeddings, "calculate_loss": _calculate_loss}
 
 
+_OPTIONS = ("scale", "similarity_fct", "gather_across_devices", "directions", "partition_mode", "hardness_mode",
+            "hardness_strength")
+
+
 def _structure_problem(module, name):
-    """What the patch needs of class `name` that this release lacks, or None."""
+    """What the patch needs of class `name` that this release lacks, or None: the patched classes'
+    method and constructor options, the symmetric ones' base class."""
     cls = getattr(module, name, None)
     if cls is None:
         return "no such class"
-    if name in _PATCHED:
-        method, parameters = _PATCHED[name]
-        function = cls.__dict__.get(method)
-        if function is None:
-            return f"no {method} of its own"
-        if tuple(inspect.signature(function).parameters)[: len(parameters)] != parameters:
-            return f"{method}{inspect.signature(function)} is not {method}({', '.join(parameters)})"
-    for attribute in ("scale", "similarity_fct", "gather_across_devices", "directions", "partition_mode",
-                      "hardness_mode", "hardness_strength"):
-        if attribute not in _init_attributes(cls):
-            return f"no {attribute} option"
-    return None
-
-
-def _init_attributes(cls):
-    """The options a class's loss objects carry (the constructor's parameters, or properties)."""
-    names = set()
-    for klass in cls.__mro__:
-        names |= set(inspect.signature(klass.__init__).parameters) if "__init__" in klass.__dict__ else set()
-        names |= {n for n, v in vars(klass).items() if isinstance(v, property)}
-    return names
+    if name not in _PATCHED:
+        base = "Cached" * name.startswith("Cached") + "MultipleNegativesRankingLoss"
+        return None if issubclass(cls, getattr(module, base, ())) else f"not a subclass of {base}"
+    method, parameters = _PATCHED[name]
+    function = cls.__dict__.get(method)
+    if function is None:
+        return f"no {method} of its own"
+    if tuple(inspect.signature(function).parameters)[: len(parameters)] != parameters:
+        return f"{method}{inspect.signature(function)} is not {method}({', '.join(parameters)})"
+    missing = [o for o in _OPTIONS if o not in inspect.signature(cls.__init__).parameters]
+    return f"no {', '.join(missing)} option" if missing else None
 
 
 @dataclasses.dataclass
