@@ -5,6 +5,7 @@ plus its portable PyTorch twin (algorithm="torch"), with fake kernels and autogr
 - siglip_sum.py: the sigmoid loss of one block and its gradients (SigLipLoss's op);
 - distill_lse.py: the student's and the teachers' row and column statistics of one block
   (DistillClipLoss's op; compiled kernels where the build has them);
+- same_id.py: the sums of a block's same-id logits (targets "multi");
 - portable_lse.py, portable_siglip.py, portable_distill.py, _portable_chunks.py: their torch paths;
 - stochastic_round.py, adamw_step.py: the registrations of the rounding and AdamW ops (their
   public functions are clipshard.rounding's and clipshard.optim's);

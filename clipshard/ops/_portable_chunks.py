@@ -63,11 +63,12 @@ class Chunks:
     it is used (Kc x D), and the gradients stay in fp32: O((M + Kc) D) extra, never a K x D copy.
 
     acc_buffers: how many M x Kc buffers in acc the caller holds at once per chunk; one more 16-bit
-    buffer is counted when with_grad_gemms and the logit gradients are rounded to 16 bits. The
-    chunk width is the widest multiple of 128 whose buffers fit `budget` bytes.
+    buffer is counted when with_grad_gemms and the logit gradients are rounded to 16 bits, and
+    `extra_bytes` more per logit for the caller's other buffers (the sample ids' boolean masks).
+    The chunk width is the widest multiple of 128 whose buffers fit `budget` bytes.
     """
 
-    def __init__(self, rows, cols, budget, acc_buffers, with_grad_gemms):
+    def __init__(self, rows, cols, budget, acc_buffers, with_grad_gemms, extra_bytes=0):
         self.acc = accumulate_dtype(rows.dtype)
         self.native = rows.dtype == self.acc or _has_fp32_output_gemm(rows.device, rows.dtype)
         self.rows = rows if self.native else rows.to(self.acc)
@@ -76,6 +77,7 @@ class Chunks:
         bytes_per_logit = acc_buffers * torch.finfo(self.acc).bits // 8
         if with_grad_gemms and self.grad_dtype != self.acc:
             bytes_per_logit += rows.element_size()
+        bytes_per_logit += extra_bytes
         self.m, self.k = rows.shape[0], cols.shape[0]
         self.width = chunk_columns(self.m, self.k, bytes_per_logit, budget)
 
@@ -105,6 +107,15 @@ class Chunks:
             first = last = 0
         column = first + pos_offset - begin if last > first else 0
         return first, last, block.narrow(0, first, last - first).narrow(1, column, last - first).diagonal()
+
+
+    def other_same_ids(self, row_ids, col_ids, begin, width, pos_offset):
+        """M x width bool: the chunk's pairs (i, j) with row_ids[i] == col_ids[j] other than the own
+        pair j == pos_offset + i (every same-id pair when pos_offset is None)."""
+        same = row_ids.unsqueeze(1) == col_ids.narrow(0, begin, width).unsqueeze(0)
+        if pos_offset is not None:
+            self.positives(same, begin, pos_offset)[2].fill_(False)
+        return same
 
 
 class GradientGemms:

@@ -9,14 +9,21 @@ hand-written FMA / mma.sync kernels), "chunked": per chunk of Kc columns a cuBLA
 bounded fp32 workspace, then one fused elementwise kernel (the CUDA default; docs/fused_loss_cuda.md),
 and "torch": the chunked algorithm in PyTorch operations only, for every device without a compiled
 kernel (clipshard/ops/portable_lse.py, docs/portable.md).
+
+Sample ids and hard negatives (docs/targets.md): targets "mask" drops the same-id pairs other than
+the own pair from both LSEs (inside the op), "multi" keeps every pair in the LSEs and returns the
+mean logit of each row's same-id columns as its positive (clipshard/ops/same_id.py), and extra
+columns join the row LSEs through a second op call merged with logaddexp.
 """
 import torch
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
 from clipshard.ops import first_use
-from clipshard.ops.inputs import accumulate_dtype, check_block_features, check_flags, check_logit_scalar
+from clipshard.ops.inputs import (accumulate_dtype, check_block_features, check_extra_cols, check_flags,
+                                  check_logit_scalar, check_targets)
 from clipshard.ops._workspace import workspace_bytes as _workspace_bytes
 from clipshard.ops.portable_lse import contrastive_lse_backward_torch, contrastive_lse_torch
+from clipshard.ops.same_id import same_id_logit_sums
 
 ALGORITHMS = ("auto", "fused", "chunked", "torch")
 
@@ -67,8 +74,28 @@ def _backward(ctx, grad_row_lse, grad_pos_logit, grad_col_lse):
 torch.library.register_autograd("clipshard::contrastive_lse_forward", _backward, setup_context=_setup_context)
 
 
-def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=True, *, algorithm="auto",
-                    workspace_bytes=None):
+def _compiled_supports(pos_offset, row_ids):
+    """Whether the compiled kernels take this call: not yet sample ids nor pos_offset None (the
+    schema's -1); those calls run the torch path until the kernels take them."""
+    return pos_offset is not None and row_ids is None
+
+
+def _block(rows, cols, scale, bias, pos_offset, want_col_lse, row_ids, col_ids, algorithm, budget):
+    """The op's three outputs for checked arguments (row_ids / col_ids: the "mask" exclusion)."""
+    if algorithm == "torch" or not _compiled_supports(pos_offset, row_ids):
+        return contrastive_lse_torch(rows, cols, scale, bias, pos_offset, want_col_lse, budget, row_ids, col_ids)
+    return torch.ops.clipshard.contrastive_lse_forward(rows, cols, scale, bias, pos_offset, want_col_lse,
+                                                       algorithm, budget)
+
+
+def mean_positive(logit_sum, count):
+    """logit_sum / count, NaN where count is 0 (a row without positives), with a zero gradient there."""
+    mean = logit_sum / count.clamp(min=1.0)
+    return torch.where(count > 0, mean, torch.full_like(mean, float("nan")))
+
+
+def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=True, *, row_ids=None, col_ids=None,
+                    targets=None, extra_cols=None, algorithm="auto", workspace_bytes=None):
     """Fused S = scale * rows @ cols^T (+ bias) reduced to log-sum-exps, never materialising S.
 
     Args:
@@ -77,8 +104,17 @@ def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=Tru
         scale: logit scale, already exponentiated (a Python float or a one-element tensor;
             differentiable, its gradient has the tensor's shape).
         bias: optional logit bias added to every logit (float or one-element tensor; differentiable).
-        pos_offset: row i's positive is column pos_offset + i (0 <= pos_offset, pos_offset + M <= K).
+        pos_offset: row i's positive is column pos_offset + i (0 <= pos_offset, pos_offset + M <= K);
+            None: no positives in this block (pos_logit is NaN, except for targets "multi").
         want_col_lse: also return the column log-sum-exps over these M rows.
+        row_ids, col_ids: optional sample ids of the rows (M) and the columns (K), 1-D int64 on the
+            rows' device, both or neither; they need `targets`.
+        targets: None (without ids), "mask" (the same-id pairs other than the own pair leave both
+            the row and the column LSEs, as if their logit were -inf; pos_logit is the own pair's)
+            or "multi" (the LSEs over every pair, as without ids; pos_logit[i] is the mean logit of
+            the columns with row i's id, NaN when there is none).
+        extra_cols: optional H x D extra columns (hard negatives; H >= 0, same dtype, device and D as
+            cols): they join the row LSEs only, never masked, never positives, no column LSE.
         algorithm: "auto" (default: "fused" on the CPU, "chunked" on CUDA when the extension has
             its CUDA kernels, "torch" on every other device, with a warning the first time; the
             environment variable CLIPSHARD_ALGORITHM=torch makes "auto" pick "torch" everywhere),
@@ -86,39 +122,54 @@ def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=Tru
             fp16/bf16 when D % 8 == 0), "chunked" (cuBLAS GEMMs over column chunks, fused
             elementwise kernels; on fp32 CUDA inputs TF32 follows
             torch.backends.cuda.matmul.allow_tf32) or "torch" (the chunked algorithm in PyTorch
-            operations, on any device; docs/portable.md).
+            operations, on any device; docs/portable.md). Calls with ids or pos_offset None run
+            "torch" for now, whatever is asked.
         workspace_bytes: memory budget of the chunked algorithms' workspace (default 256 MiB on
             CUDA, 32 MiB elsewhere); its chunks are the widest multiple of 128 columns that fits.
 
     Returns:
         (row_lse [M], pos_logit [M], col_lse [K], or an empty tensor when not wanted), fp32 — fp64
-        for fp64 inputs — whatever the input dtype. Gradients flow to rows, cols, scale and bias.
-        Every path is deterministic (no float atomics, fixed reduction order).
+        for fp64 inputs — whatever the input dtype. Gradients flow to rows, cols, extra_cols, scale
+        and bias. Every path is deterministic (no float atomics, fixed reduction order).
     """
-    check_block_features("contrastive_lse", rows, cols, pos_offset)
-    check_flags("contrastive_lse", want_col_lse=want_col_lse)
-    scale = check_logit_scalar("contrastive_lse", "scale", scale, rows)
+    fn = "contrastive_lse"
+    check_block_features(fn, rows, cols, pos_offset, none_allowed=True)
+    check_flags(fn, want_col_lse=want_col_lse)
+    targets = check_targets(fn, targets, rows, cols, row_ids, col_ids)
+    check_extra_cols(fn, extra_cols, cols)
+    scale = check_logit_scalar(fn, "scale", scale, rows)
     if bias is not None:
-        bias = check_logit_scalar("contrastive_lse", "bias", bias, rows)
-    algorithm = first_use.resolve("contrastive_lse", algorithm, rows.device, ALGORITHMS, rows.dtype)
-    budget = _workspace_bytes("contrastive_lse", rows.device, workspace_bytes)
-    if algorithm == "torch":
-        return contrastive_lse_torch(rows, cols, scale, bias, pos_offset, want_col_lse, budget)
-    return torch.ops.clipshard.contrastive_lse_forward(rows, cols, scale, bias, pos_offset, want_col_lse,
-                                                       algorithm, budget)
+        bias = check_logit_scalar(fn, "bias", bias, rows)
+    algorithm = first_use.resolve(fn, algorithm, rows.device, ALGORITHMS, rows.dtype)
+    budget = _workspace_bytes(fn, rows.device, workspace_bytes)
+    mask_ids = (row_ids, col_ids) if targets == "mask" else (None, None)
+    row_lse, pos_logit, col_lse = _block(rows, cols, scale, bias, pos_offset, want_col_lse, *mask_ids, algorithm,
+                                         budget)
+    if targets == "multi":
+        row_sum, row_count, _, _ = same_id_logit_sums(rows, cols, scale, bias, row_ids, col_ids)
+        pos_logit = mean_positive(row_sum, row_count)
+    if extra_cols is not None and extra_cols.shape[0] > 0:
+        extra_lse = _block(rows, extra_cols, scale, bias, None, False, None, None, algorithm, budget)[0]
+        row_lse = torch.logaddexp(row_lse, extra_lse)
+    return row_lse, pos_logit, col_lse
 
 
 def contrastive_lse_backward(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, pos_offset,
-                             row_lse, col_lse, *, algorithm="auto", workspace_bytes=None):
+                             row_lse, col_lse, *, row_ids=None, col_ids=None, algorithm="auto", workspace_bytes=None):
     """The backward of contrastive_lse for log-sum-exps computed elsewhere: ring mode hands it the
     full row and column LSEs of one block of a larger matrix. Arguments as the op's backward
-    (scale and bias 0-dim tensors, grad_col_lse and col_lse None together); returns (d rows,
-    d cols, d scale, d bias), d bias a zero when bias is None."""
+    (scale and bias 0-dim tensors, grad_col_lse and col_lse None together); pos_offset None: no
+    positives (grad_pos_logit is ignored); row_ids / col_ids (both or neither): targets "mask", the
+    same-id pairs other than the own pair have no logit. Returns (d rows, d cols, d scale, d bias),
+    d bias a zero when bias is None."""
+    fn = "contrastive_lse_backward"
+    if row_ids is not None or col_ids is not None:
+        check_targets(fn, "mask", rows, cols, row_ids, col_ids)
     algorithm = first_use.resolve("contrastive_lse", algorithm, rows.device, ALGORITHMS, rows.dtype)
     budget = _workspace_bytes("contrastive_lse", rows.device, workspace_bytes)
-    if algorithm == "torch":
+    if algorithm == "torch" or not _compiled_supports(pos_offset, row_ids):
         return contrastive_lse_backward_torch(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias,
-                                              pos_offset, row_lse, col_lse, budget)
+                                              pos_offset, row_lse, col_lse, budget, row_ids, col_ids)
     return torch.ops.clipshard.contrastive_lse_backward(
         grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, pos_offset, row_lse, col_lse,
         algorithm, budget)

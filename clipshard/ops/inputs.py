@@ -114,7 +114,7 @@ class LossScalar:
 def check_block_features(fn, rows, cols, pos_offset, none_allowed=False):
     """The fused block ops' features (contrastive_lse, siglip_sum, distill_lse): rows M x D and
     cols K x D, and pos_offset placing the M positives among the K columns (or None where
-    `none_allowed`: a block without positives, siglip_sum only)."""
+    `none_allowed`: a block without positives)."""
     _BLOCK.check(fn, rows, cols)
     if pos_offset is None and none_allowed:
         return
@@ -171,3 +171,59 @@ def check_generator(fn, generator, device):
                                                                  else torch.cuda.current_device())
     if have.type != device.type or not same_index:
         raise ValueError(f"{fn}: generator must be on the tensors' device ({device}), got a generator on {have}")
+
+
+TARGETS = ("mask", "multi")  # what sample ids mean for a block op (docs/targets.md)
+
+
+def _describe(t):
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"a {t.dim()}-D {str(t.dtype).removeprefix('torch.')} tensor of shape {tuple(t.shape)} on {t.device}"
+
+
+def check_ids(fn, name, ids, length, device):
+    """A sample-id vector: a 1-D int64 tensor of `length` ids on `device` (the rows' device)."""
+    if (isinstance(ids, torch.Tensor) and ids.dim() == 1 and ids.dtype == torch.int64 and ids.shape[0] == length
+            and ids.device == device and ids.layout == torch.strided):
+        return
+    error = TypeError if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 else ValueError
+    raise error(f"{fn}: {name} must be a 1-D int64 tensor of length {length} on {device}, got {_describe(ids)}")
+
+
+def check_targets(fn, targets, rows, cols, row_ids, col_ids, default=None):
+    """The sample ids of a block (row_ids for the M rows, col_ids for the K columns: both or neither)
+    and what they mean: targets "mask" or "multi" with ids, None without them. Returns the targets,
+    `default` when ids come without targets (None: targets must then be given)."""
+    if (row_ids is None) != (col_ids is None):
+        given = lambda t: "None" if t is None else "given"  # noqa: E731
+        raise ValueError(f"{fn}: row_ids and col_ids must be given together, got row_ids {given(row_ids)} and "
+                         f"col_ids {given(col_ids)}")
+    if targets is not None and (not isinstance(targets, str) or targets not in TARGETS):
+        raise ValueError(f"{fn}: targets must be None, 'mask' or 'multi', got {targets!r}")
+    if row_ids is None:
+        if targets is not None:
+            raise ValueError(f"{fn}: targets={targets!r} needs the sample ids row_ids and col_ids, got none")
+        return None
+    check_ids(fn, "row_ids", row_ids, rows.shape[0], rows.device)
+    check_ids(fn, "col_ids", col_ids, cols.shape[0], rows.device)
+    if targets is None:
+        if default is None:
+            raise ValueError(f"{fn}: row_ids and col_ids need targets='mask' or 'multi', got targets=None")
+        return default
+    return targets
+
+
+def check_extra_cols(fn, extra_cols, cols):
+    """Extra columns (hard negatives): None or an H x D tensor (H >= 0) of the same dtype, device and
+    feature size D as cols."""
+    if extra_cols is None:
+        return
+    expected = f"extra_cols must be None or an H x D tensor like cols ({_describe(cols)})"
+    if not isinstance(extra_cols, torch.Tensor):
+        raise TypeError(f"{fn}: {expected}, got {_describe(extra_cols)}")
+    if extra_cols.dtype != cols.dtype:
+        raise TypeError(f"{fn}: {expected}: same dtype, got {_describe(extra_cols)}")
+    if (extra_cols.dim() != 2 or extra_cols.shape[1] != cols.shape[1] or extra_cols.device != cols.device
+            or extra_cols.layout != torch.strided):
+        raise ValueError(f"{fn}: {expected}, got {_describe(extra_cols)}")

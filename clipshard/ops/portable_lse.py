@@ -15,6 +15,12 @@ counted against workspace_bytes): forward two M x Kc buffers (the logits and log
 backward three (the dots, dS and the column term, or the dS * dots product) plus dS rounded to 16
 bits where the GEMMs take 16-bit factors.
 
+Sample ids (row_ids, col_ids; targets "mask", docs/targets.md): per chunk an M x Kc boolean marks
+the same-id pairs other than the own pair; the forward sets their logits to -inf before the
+log-sum-exps, the backward sets their dS to 0. One byte per logit more, counted in the budget.
+pos_offset None: no positives (pos_logit NaN, its gradient ignored). Without ids and with a
+pos_offset the code path, and so every bit, is the one without these features.
+
 A torch.autograd.Function rather than a registered op, so that torch.compile can trace into it and
 fuse the per-chunk elementwise work; it has no host synchronisation.
 """
@@ -23,33 +29,49 @@ import torch
 from clipshard.ops._portable_chunks import Chunks, GradientGemms, fp16_prescale
 
 
-def _forward(rows, cols, scale, bias, pos_offset, want_col_lse, budget):
-    chunks = Chunks(rows, cols, budget, acc_buffers=2, with_grad_gemms=False)
+def _forward(rows, cols, scale, bias, pos_offset, want_col_lse, budget, row_ids=None, col_ids=None):
+    chunks = Chunks(rows, cols, budget, acc_buffers=2, with_grad_gemms=False, extra_bytes=_mask_bytes(row_ids))
     acc = chunks.acc
     s = scale.to(acc)
     row_lse = rows.new_full((chunks.m,), float("-inf"), dtype=acc)
-    pos_logit = rows.new_empty((chunks.m,), dtype=acc)
+    if pos_offset is None:
+        pos_logit = rows.new_full((chunks.m,), float("nan"), dtype=acc)
+    else:
+        pos_logit = rows.new_empty((chunks.m,), dtype=acc)
     col_lse = rows.new_empty((chunks.k if want_col_lse else 0,), dtype=acc)
     for begin, width in chunks:
         logits = chunks.dots(begin, width).mul_(s)
+        if row_ids is not None:  # "mask": the other same-id pairs leave every denominator
+            logits.masked_fill_(chunks.other_same_ids(row_ids, col_ids, begin, width, pos_offset), float("-inf"))
         row_lse = torch.logaddexp(row_lse, torch.logsumexp(logits, dim=1))
         if want_col_lse:
             col_lse.narrow(0, begin, width).copy_(torch.logsumexp(logits, dim=0))
-        first, last, diagonal = chunks.positives(logits, begin, pos_offset)
-        pos_logit.narrow(0, first, last - first).copy_(diagonal)
-        del logits, diagonal  # before the next chunk's GEMM allocates its result
+        if pos_offset is not None:
+            first, last, diagonal = chunks.positives(logits, begin, pos_offset)
+            pos_logit.narrow(0, first, last - first).copy_(diagonal)
+            del diagonal
+        del logits  # before the next chunk's GEMM allocates its result
     if bias is not None:  # a constant on every logit shifts every output by itself
         b = bias.to(acc)
         row_lse, pos_logit, col_lse = row_lse + b, pos_logit + b, col_lse + b
     return row_lse, pos_logit, col_lse
 
 
-def _backward(g_row, g_pos, g_col, rows, cols, scale, bias, pos_offset, row_lse, col_lse, budget, needs):
+def _mask_bytes(row_ids):
+    """Bytes per logit of the chunk's boolean same-id mask (none without ids)."""
+    return 0 if row_ids is None else 1
+
+
+def _backward(g_row, g_pos, g_col, rows, cols, scale, bias, pos_offset, row_lse, col_lse, budget, needs,
+              row_ids=None, col_ids=None):
     """Gradients of rows, cols, scale, bias (None where not in `needs`) for the upstream gradients
     g_row, g_pos, g_col (None: that output took no part in the loss)."""
     want_rows, want_cols, want_scale, want_bias = needs
     want_features = want_rows or want_cols
-    chunks = Chunks(rows, cols, budget, acc_buffers=3, with_grad_gemms=want_features)
+    if pos_offset is None:  # no positives: pos_logit is a constant NaN
+        g_pos = None
+    chunks = Chunks(rows, cols, budget, acc_buffers=3, with_grad_gemms=want_features,
+                    extra_bytes=_mask_bytes(row_ids))
     acc = chunks.acc
     s = scale.to(acc)
     prescale = None
@@ -76,6 +98,8 @@ def _backward(g_row, g_pos, g_col, rows, cols, scale, bias, pos_offset, row_lse,
             del col_term
         if ds is None:
             ds = torch.zeros_like(dots)
+        if row_ids is not None:  # excluded pairs have no logit (their exp may be inf - inf there: NaN)
+            ds.masked_fill_(chunks.other_same_ids(row_ids, col_ids, begin, width, pos_offset), 0.0)
         if g_pos is not None:
             first, last, diagonal = chunks.positives(ds, begin, pos_offset)
             diagonal.add_(g_pos.narrow(0, first, last - first))
@@ -95,34 +119,36 @@ def _backward(g_row, g_pos, g_col, rows, cols, scale, bias, pos_offset, row_lse,
 
 class _ContrastiveLse(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, cols, scale, bias, pos_offset, want_col_lse, budget):
-        row_lse, pos_logit, col_lse = _forward(rows, cols, scale, bias, pos_offset, want_col_lse, budget)
-        ctx.save_for_backward(rows, cols, scale, bias, row_lse, col_lse)
+    def forward(ctx, rows, cols, scale, bias, pos_offset, want_col_lse, budget, row_ids, col_ids):
+        row_lse, pos_logit, col_lse = _forward(rows, cols, scale, bias, pos_offset, want_col_lse, budget, row_ids,
+                                               col_ids)
+        ctx.save_for_backward(rows, cols, scale, bias, row_lse, col_lse, row_ids, col_ids)
         ctx.pos_offset, ctx.want_col_lse, ctx.budget = pos_offset, want_col_lse, budget
         ctx.set_materialize_grads(False)  # an output left out of the loss hands back None: its term is skipped
         return row_lse, pos_logit, col_lse
 
     @staticmethod
     def backward(ctx, g_row, g_pos, g_col):
-        rows, cols, scale, bias, row_lse, col_lse = ctx.saved_tensors
+        rows, cols, scale, bias, row_lse, col_lse, row_ids, col_ids = ctx.saved_tensors
         needs = ctx.needs_input_grad[:4]
         if not ctx.want_col_lse:
             g_col = None
         if g_row is None and g_pos is None and g_col is None:
-            return (None,) * 7
+            return (None,) * 9
         grads = _backward(g_row, g_pos, g_col, rows, cols, scale, bias, ctx.pos_offset, row_lse, col_lse,
-                          ctx.budget, needs)
-        return (*grads, None, None, None)
+                          ctx.budget, needs, row_ids, col_ids)
+        return (*grads, None, None, None, None, None)
 
 
-def contrastive_lse_torch(rows, cols, scale, bias, pos_offset, want_col_lse, budget):
-    """contrastive_lse's outputs by the torch path; the arguments were checked by the caller."""
-    return _ContrastiveLse.apply(rows, cols, scale, bias, pos_offset, want_col_lse, budget)
+def contrastive_lse_torch(rows, cols, scale, bias, pos_offset, want_col_lse, budget, row_ids=None, col_ids=None):
+    """contrastive_lse's outputs by the torch path; the arguments were checked by the caller
+    (pos_offset None: no positives; row_ids / col_ids: targets "mask")."""
+    return _ContrastiveLse.apply(rows, cols, scale, bias, pos_offset, want_col_lse, budget, row_ids, col_ids)
 
 
 def contrastive_lse_backward_torch(g_row, g_pos, g_col, rows, cols, scale, bias, pos_offset, row_lse, col_lse,
-                                   budget):
+                                   budget, row_ids=None, col_ids=None):
     """The op's backward contract (every gradient, d bias a zero without bias) by the torch path."""
     grads = _backward(g_row, g_pos, g_col, rows, cols, scale, bias, pos_offset, row_lse, col_lse, budget,
-                      (True, True, True, bias is not None))
+                      (True, True, True, bias is not None), row_ids, col_ids)
     return grads[:3] + (grads[3] if bias is not None else torch.zeros_like(grads[2]),)

@@ -13,12 +13,17 @@ autograd backward only multiplies them by the upstream gradient.
 Algorithms: "chunked" (the compiled op above, CPU and CUDA) and "torch" (the same algorithm in
 PyTorch operations only, for every device without a compiled kernel: clipshard/ops/portable_siglip.py,
 docs/portable.md); "auto" picks as clipshard.ops._algorithm says.
+
+Sample ids (docs/targets.md): with row_ids / col_ids the same-id pairs are positives too (targets
+"multi", z = +1) or have no term ("mask"); extra columns (hard negatives) are negatives of every row,
+summed in by a second op call without positives.
 """
 import torch
 
 from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
 from clipshard.ops import _workspace, first_use
-from clipshard.ops.inputs import accumulate_dtype, check_block_features, check_logit_scalar
+from clipshard.ops.inputs import (accumulate_dtype, check_block_features, check_bool, check_extra_cols,
+                                  check_logit_scalar, check_targets)
 from clipshard.ops.portable_siglip import siglip_block_torch, siglip_sum_torch
 
 ALGORITHMS = ("auto", "chunked", "torch")
@@ -73,7 +78,21 @@ def _backward(ctx, grad_loss, *unused):
 torch.library.register_autograd("clipshard::siglip_forward", _backward, setup_context=_setup_context)
 
 
-def siglip_sum(rows, cols, scale, bias=None, pos_offset=0, *, algorithm="auto", workspace_bytes=None):
+def _compiled_supports(row_ids):
+    """Whether the compiled kernel takes this call: not yet sample ids; those calls run the torch
+    path until it takes them."""
+    return row_ids is None
+
+
+def _sum(rows, cols, scale, bias, pos_offset, with_grad, row_ids, col_ids, mask_same_ids, algorithm, budget):
+    if algorithm == "torch" or not _compiled_supports(row_ids):
+        return siglip_sum_torch(rows, cols, scale, bias, pos_offset, with_grad, budget, _saved_grad_dtype(rows.dtype),
+                                row_ids, col_ids, mask_same_ids)
+    return torch.ops.clipshard.siglip_forward(rows, cols, scale, bias, pos_offset, with_grad, budget)[0]
+
+
+def siglip_sum(rows, cols, scale, bias=None, pos_offset=0, *, row_ids=None, col_ids=None, targets=None,
+               extra_cols=None, algorithm="auto", workspace_bytes=None):
     """Fused sum of the SigLIP loss terms of an M x K block, never materialising the logits.
 
     Args:
@@ -83,39 +102,58 @@ def siglip_sum(rows, cols, scale, bias=None, pos_offset=0, *, algorithm="auto", 
         bias: optional logit bias (float or 0-dim tensor; differentiable).
         pos_offset: row i's positive is column pos_offset + i (0 <= pos_offset, pos_offset + M <= K);
             None: no positives, every pair is a negative (a block of texts from another rank).
+        row_ids, col_ids: optional sample ids of the rows (M) and the columns (K), 1-D int64 on the
+            rows' device, both or neither.
+        targets: with ids, "multi" (the default: every same-id pair is a positive, z = +1) or "mask"
+            (same-id pairs other than the own pair have no term); None without ids.
+        extra_cols: optional H x D extra columns (hard negatives; H >= 0, same dtype, device and D as
+            cols): z = -1 for every row, never masked.
         algorithm: "auto" (default: the compiled "chunked" op on the CPU, and on CUDA when the
             extension has its CUDA kernels; "torch" on every other device, with a warning the first
             time; CLIPSHARD_ALGORITHM=torch makes "auto" pick "torch" everywhere), "chunked" or
             "torch" (the same algorithm in PyTorch operations, on any device; docs/portable.md).
+            Calls with ids run "torch" for now, whatever is asked.
         workspace_bytes: budget of the chunk workspace (default: clipshard.ops._workspace's per device).
 
     Returns:
-        0-dim fp32 tensor (fp64 for fp64 inputs): sum_ij softplus(-z_ij * l_ij). Differentiable with
-        respect to rows, cols, scale and bias.
+        0-dim fp32 tensor (fp64 for fp64 inputs): sum_ij softplus(-z_ij * l_ij) over the block's pairs
+        with a term (and the extra columns'). Differentiable with respect to rows, cols, extra_cols,
+        scale and bias.
     """
-    check_block_features("siglip_sum", rows, cols, pos_offset, none_allowed=True)
-    scale = check_logit_scalar("siglip_sum", "scale", scale, rows)
+    fn = "siglip_sum"
+    check_block_features(fn, rows, cols, pos_offset, none_allowed=True)
+    targets = check_targets(fn, targets, rows, cols, row_ids, col_ids, default="multi")
+    check_extra_cols(fn, extra_cols, cols)
+    scale = check_logit_scalar(fn, "scale", scale, rows)
     if bias is not None:
-        bias = check_logit_scalar("siglip_sum", "bias", bias, rows)
-    algorithm = first_use.resolve("siglip_sum", algorithm, rows.device, ALGORITHMS, rows.dtype)
-    budget = _workspace.workspace_bytes("siglip_sum", rows.device, workspace_bytes)
-    inputs = (rows, cols, scale) + ((bias,) if bias is not None else ())
-    with_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-    if algorithm == "torch":
-        return siglip_sum_torch(rows, cols, scale, bias, pos_offset, with_grad, budget, _saved_grad_dtype(rows.dtype))
-    return torch.ops.clipshard.siglip_forward(rows, cols, scale, bias, pos_offset, with_grad, budget)[0]
+        bias = check_logit_scalar(fn, "bias", bias, rows)
+    algorithm = first_use.resolve(fn, algorithm, rows.device, ALGORITHMS, rows.dtype)
+    budget = _workspace.workspace_bytes(fn, rows.device, workspace_bytes)
+    scalars = (scale,) + ((bias,) if bias is not None else ())
+    with_grad = lambda *features: torch.is_grad_enabled() and any(t.requires_grad for t in features + scalars)  # noqa: E731
+    loss = _sum(rows, cols, scale, bias, pos_offset, with_grad(rows, cols), row_ids, col_ids, targets == "mask",
+                algorithm, budget)
+    if extra_cols is not None and extra_cols.shape[0] > 0:
+        loss = loss + _sum(rows, extra_cols, scale, bias, None, with_grad(rows, extra_cols), None, None, False,
+                           algorithm, budget)
+    return loss
 
 
-def siglip_block(rows, cols, scale, bias, pos_offset, with_grad, *, algorithm="auto", workspace_bytes=None):
+def siglip_block(rows, cols, scale, bias, pos_offset, with_grad, *, row_ids=None, col_ids=None, mask_same_ids=False,
+                 algorithm="auto", workspace_bytes=None):
     """siglip_forward's outputs without autograd, for a caller that weighs the gradients itself (the
     SigLIP ring, clipshard/parallel/siglip_ring.py): (loss_sum, grad_rows, grad_cols, grad_scale, grad_bias),
     the gradients of the sum for a unit upstream gradient in siglip_forward's dtypes (unused ones
     empty or None). Arguments as siglip_sum's, scale and bias already 0-dim tensors, checked by the
-    caller; pos_offset None for a block without positives."""
+    caller; pos_offset None for a block without positives; row_ids / col_ids (both or neither): the
+    same-id pairs other than the own pair are positives, or have no term with mask_same_ids."""
+    check_bool("siglip_block", "mask_same_ids", mask_same_ids)
+    if row_ids is not None or col_ids is not None:
+        check_targets("siglip_block", "mask" if mask_same_ids else "multi", rows, cols, row_ids, col_ids)
     algorithm = first_use.resolve("siglip_sum", algorithm, rows.device, ALGORITHMS, rows.dtype)
     budget = _workspace.workspace_bytes("siglip_sum", rows.device, workspace_bytes)
     with torch.no_grad():
-        if algorithm == "torch":
+        if algorithm == "torch" or not _compiled_supports(row_ids):
             return siglip_block_torch(rows, cols, scale, bias, pos_offset, with_grad, budget,
-                                      _saved_grad_dtype(rows.dtype))
+                                      _saved_grad_dtype(rows.dtype), row_ids, col_ids, mask_same_ids)
         return torch.ops.clipshard.siglip_forward(rows, cols, scale, bias, pos_offset, with_grad, budget)
