@@ -55,34 +55,37 @@ def _measure_rank(rank, args):
     warnings.filterwarnings("ignore")
     logging.getLogger("sentence_transformers").setLevel(logging.ERROR)
     out = []
-    for batch in args.batches:
-        for negatives in args.negatives:
-            gen = torch.Generator().manual_seed(1000 * rank + negatives)
-            columns = [torch.randn(batch, args.dim, generator=gen) for _ in range(2 + negatives)]
-            losses = {name: _loss(name, args.mini_batch_size) for name in METHODS}
+    for batch, negatives in args.case_list:
+        gen = torch.Generator().manual_seed(1000 * rank + negatives)
+        columns = [torch.randn(batch, args.dim, generator=gen) for _ in range(2 + negatives)]
+        losses = {name: _loss(name, args.mini_batch_size) for name in METHODS}
 
-            def run(name, fn):
-                if name.startswith("clipshard"):
-                    patch = clipshard.apply_to_sentence_transformers()
-                    try:
-                        return fn()
-                    finally:
-                        patch.undo()
-                return fn()
+        def run(name, fn):
+            if name.startswith("clipshard"):
+                patch = clipshard.apply_to_sentence_transformers()
+                try:
+                    return fn()
+                finally:
+                    patch.undo()
+            return fn()
 
-            case = {"batch": batch, "negatives": negatives, "methods": {}}
+        case = {"batch": batch, "negatives": negatives, "methods": {}}
+        for name, loss in losses.items():
+            dist.barrier()
+            peak = run(name, lambda: peak_memory_bytes(_step(name, loss, columns, args.mini_batch_size), "cpu"))
+            case["methods"][name] = {"peak_bytes": peak, "times_s": []}
+        for _ in range(args.steps):
             for name, loss in losses.items():
                 dist.barrier()
-                peak = run(name, lambda: peak_memory_bytes(_step(name, loss, columns, args.mini_batch_size), "cpu"))
-                case["methods"][name] = {"peak_bytes": peak, "times_s": []}
-            for _ in range(args.steps):
-                for name, loss in losses.items():
-                    dist.barrier()
-                    seconds = run(name, lambda: time_call(_step(name, loss, columns, args.mini_batch_size), "cpu"))
-                    case["methods"][name]["times_s"].append(seconds)
-            for m in case["methods"].values():
-                m.update(summarize(m["times_s"]))
-            out.append(case)
+                seconds = run(name, lambda: time_call(_step(name, loss, columns, args.mini_batch_size), "cpu"))
+                case["methods"][name]["times_s"].append(seconds)
+        for m in case["methods"].values():
+            m.update(summarize(m["times_s"]))
+        out.append(case)
+        if rank == 0:
+            print(f"case B={batch} H={negatives}: " + ", ".join(
+                f"{n} {m['median_s']:.3f} s {m['peak_bytes'] / MIB:.1f} MiB" for n, m in case["methods"].items()),
+                flush=True)
     return out
 
 
@@ -133,6 +136,8 @@ def main():
     parser = parser_with_common_arguments(__doc__)
     parser.add_argument("--batches", type=int, nargs="+", default=[1024, 4096], help="local batch sizes")
     parser.add_argument("--negatives", type=int, nargs="+", default=[0, 3, 7], help="hard-negative columns")
+    parser.add_argument("--cases", nargs="+", metavar="B:H",
+                        help="only these (local batch, negatives) cases, e.g. 1024:7 4096:3 (default: every pair)")
     parser.add_argument("--dim", type=int, default=768)
     parser.add_argument("--mini-batch-size", type=int, default=32, help="the cached loss's mini_batch_size")
     parser.add_argument("--steps", type=int, default=1, help="timed steps per method and case")
@@ -144,6 +149,8 @@ def main():
         sys.exit("bench_sentence_transformers.py: CPU only (a gloo group)")
     if args.quick:
         args.batches, args.negatives, args.dim, args.mini_batch_size = [64], [0, 3], 32, 16
+    args.case_list = ([tuple(int(x) for x in c.split(":")) for c in args.cases] if args.cases and not args.quick
+                      else [(b, h) for b in args.batches for h in args.negatives])
     per_rank = _run(args)
     errors = [r["error"] for r in per_rank if isinstance(r, dict) and "error" in r]
     if errors:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from clipshard.integrations import sentence_transformers_options as options
+from clipshard.integrations.sentence_transformers_loss import DIRECTIONS, PARTITION_MODES, TARGETS
 from clipshard.losses.base import DTYPE_CODES, DTYPE_NAMES
 from clipshard.ops.inputs import SUPPORTED_DTYPES
 from clipshard.parallel.agreement import exchange_rows, require_same
@@ -62,6 +63,22 @@ def _code(text):
     return zlib.crc32(str(text).encode())
 
 
+def _directions_code(directions):
+    return sum(1 << k for k, d in enumerate(DIRECTIONS) if d in directions)
+
+
+_SIMILARITIES = ("cos_sim", "pytorch_cos_sim", "dot_score")
+_SHOWN = {  # how the codes of _AGREE's fields read in a message
+    "dtype": DTYPE_NAMES,
+    "similarity_fct": {_code(name): name for name in _SIMILARITIES},
+    "directions": {m: "+".join(d for k, d in enumerate(DIRECTIONS) if m >> k & 1) for m in range(1, 16)},
+    "partition_mode": {_code(m): m for m in PARTITION_MODES},
+    "hardness_mode": {_code(m): str(m) for m in options.HARDNESS_MODES},
+    "targets of the sample ids": {_code(t): str(t) for t in TARGETS},
+    "fused or fallen back": {_code(None): "fused"},
+}
+
+
 # What each rank sends (after its problem code): the fields that must agree, in the order checked,
 # with how a value is shown in the message.
 _AGREE = ("dim", "dtype", "device", "embedding columns", "similarity_fct", "directions", "partition_mode",
@@ -86,14 +103,13 @@ def check_and_layout(fn, loss, embeddings, ids, targets, gather, reason):
     first = embeddings[0] if problem is None else None
     fields = [0] * (1 + len(_AGREE)) if problem is not None else [
         first.shape[0], first.shape[1], DTYPE_CODES.get(first.dtype, -1), _code(first.device.type), len(embeddings),
-        _code(options.similarity_name(loss.similarity_fct)), _code(tuple(loss.directions)), _code(loss.partition_mode),
+        _code(options.similarity_name(loss.similarity_fct)), _directions_code(loss.directions), _code(loss.partition_mode),
         _code(loss.hardness_mode), int(ids is not None), _code(targets), _code(reason)]
     values = [torch.tensor(float(v), dtype=torch.float64) for v in (loss.scale, loss.hardness_strength)]
     table, floats = exchange_rows(fn, group, fields, values if problem is None else (None, None),
                                   None if problem is None else (problem[0], _PROBLEM_CODE, problem[1]))
-    shown = {"dtype": DTYPE_NAMES, "fused or fallen back": {_code(None): "fused"}}
     for k, what in enumerate(_AGREE, start=1):
-        require_same(fn, [row[k] for row in table], what, shown.get(what))
+        require_same(fn, [row[k] for row in table], what, _SHOWN.get(what))
     for k, name in enumerate(("scale", "hardness_strength")):
         require_same(fn, [row[k] for row in floats], name)
     sizes = tuple(row[0] for row in table)

@@ -25,6 +25,17 @@ def combinations():
             yield directions, mode
 
 
+def cases():
+    """(negatives, similarity name, (directions, partition_mode), cached): every combination with
+    cos_sim and MultipleNegativesRankingLoss, with and without hard negatives; dot_score and the
+    cached loss (whose options are the same, delegated) on the plainest and the fullest ones."""
+    plain, full = (DIRECTION_SETS[0], "joint"), (DIRECTION_SETS[-1], "joint")
+    yield from ((h, "cos_sim", c, False) for c in combinations() for h in NEGATIVES)
+    yield from ((3, "dot_score", c, cached) for c in (plain, full) for cached in (False, True))
+    yield from ((3, "cos_sim", c, True) for c in (plain, full))
+    yield 0, "cos_sim", (DIRECTION_SETS[1], "per_direction"), True
+
+
 def _model():
     return torch.nn.Sequential(torch.nn.Identity())
 
@@ -71,7 +82,7 @@ def _relative(a, b):
 
 def worst_differences(rank, world_size, sizes_list, with_ids):
     """{(case, dtype): worst relative difference over every combination} on this rank."""
-    from sentence_transformers.util import cos_sim, dot_score
+    from sentence_transformers import util
 
     worst = {}
     distributed = dist.is_available() and dist.is_initialized()
@@ -79,8 +90,9 @@ def worst_differences(rank, world_size, sizes_list, with_ids):
     def record(key, value):
         worst[key] = max(worst.get(key, 0.0), value)
 
-    for sizes, dtype, negatives, similarity, (directions, mode), cached in itertools.product(
-            sizes_list, TOLERANCE, NEGATIVES, (cos_sim, dot_score), combinations(), (False, True)):
+    for sizes, dtype, (negatives, similarity, (directions, mode), cached) in itertools.product(
+            sizes_list, TOLERANCE, list(cases())):
+        similarity = getattr(util, similarity)
         equal = len(set(sizes)) == 1
         columns, ids = global_batch(sizes, negatives, dtype, seed=sum(sizes) * 7 + negatives)
         offset = sum(sizes[:rank])
@@ -107,7 +119,7 @@ def worst_differences(rank, world_size, sizes_list, with_ids):
                 fused = loss_and_grads(make_loss(cached, directions, mode, similarity, True), local, labels, cached)
             finally:
                 patch.undo()
-            reference = _reference(columns, ids if targets else None, targets, similarity is cos_sim, directions,
+            reference = _reference(columns, ids if targets else None, targets, similarity is util.cos_sim, directions,
                                    mode)
             mean = fused[0].clone()
             if distributed:
