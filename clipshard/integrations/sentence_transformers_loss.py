@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from clipshard.ops.contrastive_lse import contrastive_lse
 from clipshard.ops.inputs import accumulate_dtype
 from clipshard.parallel.collectives import gather_rows
+from clipshard.parallel.layout import ShardLayout
 
 DIRECTIONS = ("query_to_doc", "query_to_query", "doc_to_query", "doc_to_doc")
 PARTITION_MODES = ("joint", "per_direction")
@@ -69,14 +70,19 @@ def ranking_loss(queries, docs, options, layout, ids=None):
         queries, docs = F.normalize(queries, p=2, dim=-1), [F.normalize(d, p=2, dim=-1) for d in docs]
     acc = accumulate_dtype(queries.dtype)
     scale = torch.tensor(float(options.scale), dtype=acc, device=queries.device)
-    gathered_docs = [gather_rows(d, layout) for d in docs]
+    gathered_docs = None if ids is None and "doc_to_doc" not in directions else [gather_rows(d, layout) for d in docs]
     all_queries = gather_rows(queries, layout) if directions & {"query_to_query", "doc_to_query"} else None
     ids_all = None if ids is None else gather_rows(ids, layout, with_grad=False)
     offset, targets = layout.offset, options.targets
     with_ids = dict(row_ids=ids, col_ids=ids_all, targets=targets) if ids is not None else {}
 
     lses, positives = [], []
-    if ids is None:  # one call over every document column; the positives sit in the first block
+    if gathered_docs is None:  # one gather of this rank's columns stacked, one call over them (the
+        # columns' order does not change a log-sum-exp; row i's positive is the stack's row i)
+        stacked = ShardLayout(tuple(n * len(docs) for n in layout.sizes), layout.rank, layout.group)
+        lse, pos, _ = contrastive_lse(queries, gather_rows(torch.cat(docs), stacked), scale, None,
+                                      offset * len(docs), False)
+    elif ids is None:  # one call over every document column; the positives sit in the first block
         lse, pos, _ = contrastive_lse(queries, torch.cat(gathered_docs), scale, None, offset, False)
     else:
         negatives = torch.cat(gathered_docs[1:]) if len(docs) > 1 else None
