@@ -38,10 +38,12 @@ sys.exit(0 if f.startswith('$(realpath "$dir")') or f.startswith('$dir') else 'i
 HF=tests/integrations/transformers
 OC=tests/integrations/open_clip
 THREE_RANKS=$HF/test_transformers_distributed.py::test_loss_and_ddp_gradients_equal_the_global_batch[3]
+ST=tests/integrations/sentence_transformers
 start=$SECONDS
 venv transformers-4.50 transformers==4.50.3
 venv transformers-4.57 transformers==4.57.6
 venv open_clip-2.26 open_clip_torch==2.26.1
+venv sentence_transformers-6.0 sentence-transformers==6.0.0
 echo "matrix venvs: $((SECONDS - start)) s"
 # the oldest supported transformers: 1 and 2 ranks, GradCache through the patch, and Trainer on 2 ranks
 run transformers-4.50 transformers $HF/test_transformers_patch.py $HF/test_transformers_distributed.py \
@@ -54,4 +56,7 @@ run transformers-4.57 transformers $HF/test_transformers_patch.py $HF/test_trans
 # recipe with its resume (the loss-flag variants do not depend on the release)
 run open_clip-2.26 open_clip $OC/test_open_clip_patch.py $OC/test_open_clip_text_tower.py \
     $OC/test_open_clip_train.py --deselect "$OC/test_open_clip_train.py::test_fp32_losses_match_stock_open_clip_train[local+gather]"
+# the oldest supported sentence-transformers: the patch and its fallbacks, 1 and 2 ranks
+run sentence_transformers-6.0 sentence_transformers $ST/test_sentence_transformers_patch.py \
+    $ST/test_sentence_transformers_distributed.py --deselect "$ST/test_sentence_transformers_distributed.py::test_ranks[3]"
 echo "matrix: $((SECONDS - start)) s"

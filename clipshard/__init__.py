@@ -3,7 +3,7 @@ training step, stochastic rounding and half-precision AdamW.
 
 The integrations (clipshard.integrations) and the self-check (clipshard.diagnostics) are reached
 through their own subpackages; the root names them (apply_to_open_clip, apply_to_transformers,
-text_tower_to_half_precision_, self_check) and imports them on first use.
+apply_to_sentence_transformers, text_tower_to_half_precision_, self_check) and imports them on first use.
 """
 from clipshard import optim
 from clipshard.grad_cache import GradCache
@@ -17,12 +17,14 @@ __version__ = "0.1.0"  # the one version source: pyproject.toml reads it (tool.s
 # Where the names of the wings live (imported on first use).
 _WINGS = {
     "apply_to_open_clip": "clipshard.integrations.open_clip_patch",
+    "apply_to_sentence_transformers": "clipshard.integrations.sentence_transformers_patch",
     "apply_to_transformers": "clipshard.integrations.transformers_patch",
     "text_tower_to_half_precision_": "clipshard.integrations.open_clip_text_tower",
     "self_check": "clipshard.diagnostics",
 }
 
-__all__ = ["ClipLoss", "DistillClipLoss", "GradCache", "SigLipLoss", "apply_to_open_clip", "apply_to_transformers",
+__all__ = ["ClipLoss", "DistillClipLoss", "GradCache", "SigLipLoss", "apply_to_open_clip",
+           "apply_to_sentence_transformers", "apply_to_transformers",
            "clip_loss", "contrastive_lse", "optim", "self_check", "siglip_loss", "siglip_sum", "stochastic_round",
            "stochastic_round_", "text_tower_to_half_precision_"]
 

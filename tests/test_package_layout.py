@@ -17,7 +17,8 @@ import clipshard
 ROOT = pathlib.Path(clipshard.__file__).parent
 
 # The root's public names (README.md), exactly its __all__.
-PUBLIC = ["ClipLoss", "DistillClipLoss", "GradCache", "SigLipLoss", "apply_to_open_clip", "apply_to_transformers",
+PUBLIC = ["ClipLoss", "DistillClipLoss", "GradCache", "SigLipLoss", "apply_to_open_clip", "apply_to_sentence_transformers",
+          "apply_to_transformers",
           "clip_loss", "contrastive_lse", "optim", "self_check", "siglip_loss", "siglip_sum", "stochastic_round",
           "stochastic_round_", "text_tower_to_half_precision_"]
 

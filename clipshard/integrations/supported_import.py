@@ -77,3 +77,5 @@ class VersionPolicy:
 TRANSFORMERS = VersionPolicy("transformers", "transformers", "transformers", oldest=(4, 50), newest_tested=(5, 24))
 OPEN_CLIP = VersionPolicy("open_clip", "open_clip_torch", "open_clip", oldest=(2, 26), newest_tested=(3, 3),
                           refused_from=(4, 0))
+SENTENCE_TRANSFORMERS = VersionPolicy("sentence_transformers", "sentence-transformers", "sentence_transformers",
+                                      oldest=(6, 0), newest_tested=(6, 2), refused_from=(7, 0))
