@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from clipshard.ops.inputs import SUPPORTED_DTYPES, FeaturePair, LossScalar, Problem, check_flags
+from clipshard.ops.inputs import (SUPPORTED_DTYPES, TARGETS, FeaturePair, LossScalar, Problem, check_flags,
+                                  is_id_vector)
 from clipshard.parallel.agreement import differing_values, exchange_rows, require_same
 from clipshard.parallel.layout import ShardLayout, process_group, single_process_layout
 
@@ -133,7 +134,6 @@ _KNOWN_DEVICE_TYPES = ("cpu", "cuda", "xpu", "mps", "meta", "hpu", "mtia", "xla"
 _DEVICE_NAMES = {_device_code(t): t for t in _KNOWN_DEVICE_TYPES}
 
 
-TARGETS = ("mask", "multi")
 DIRECTIONS = ("both", "image_to_text")
 
 
@@ -189,9 +189,7 @@ def _describe_tensor(t):
 def extras_problem(extras, image, text):
     """The first Problem with one rank's Extras (image, text already valid), or None."""
     ids, negatives = extras.sample_ids, extras.hard_negatives
-    if ids is not None and not (torch.is_tensor(ids) and ids.dim() == 1 and ids.dtype == torch.int64
-                                and ids.shape[0] == image.shape[0] and ids.device == image.device
-                                and ids.layout == torch.strided):
+    if ids is not None and not is_id_vector(ids, image.shape[0], image.device):
         return Problem(ValueError, _ExtraRules.ids,
                        f"{_describe_tensor(ids)} (local batch {image.shape[0]} on {image.device})")
     if extras.targets is not None and extras.targets not in TARGETS:

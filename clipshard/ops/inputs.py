@@ -182,10 +182,15 @@ def _describe(t):
     return f"a {t.dim()}-D {str(t.dtype).removeprefix('torch.')} tensor of shape {tuple(t.shape)} on {t.device}"
 
 
+def is_id_vector(ids, length, device):
+    """Whether `ids` is a sample-id vector: a 1-D strided int64 tensor of `length` ids on `device`."""
+    return (isinstance(ids, torch.Tensor) and ids.dim() == 1 and ids.dtype == torch.int64 and ids.shape[0] == length
+            and ids.device == device and ids.layout == torch.strided)
+
+
 def check_ids(fn, name, ids, length, device):
     """A sample-id vector: a 1-D int64 tensor of `length` ids on `device` (the rows' device)."""
-    if (isinstance(ids, torch.Tensor) and ids.dim() == 1 and ids.dtype == torch.int64 and ids.shape[0] == length
-            and ids.device == device and ids.layout == torch.strided):
+    if is_id_vector(ids, length, device):
         return
     error = TypeError if not isinstance(ids, torch.Tensor) or ids.dtype != torch.int64 else ValueError
     raise error(f"{fn}: {name} must be a 1-D int64 tensor of length {length} on {device}, got {_describe(ids)}")
