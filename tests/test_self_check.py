@@ -100,9 +100,11 @@ BREAK_KERNELS = textwrap.dedent("""
     def round_to_nearest(src, dtype, seed, offset, saturate):  # not stochastic: the bits differ
         return src.to(dtype)
 
-    def shifted_forward(rows, cols, scale, bias, pos_offset, want_col_lse, algorithm, workspace_bytes):
-        row_lse, pos_logit, col_lse = contrastive_lse_torch(rows, cols, scale, bias, pos_offset, want_col_lse,
-                                                            workspace_bytes)
+    def shifted_forward(rows, cols, scale, bias, pos_offset, row_ids, col_ids, want_col_lse, algorithm,
+                        workspace_bytes):  # the schema's arguments; pos_offset -1: no positives
+        row_lse, pos_logit, col_lse = contrastive_lse_torch(rows, cols, scale, bias, None if pos_offset == -1 else
+                                                            pos_offset, want_col_lse, workspace_bytes, row_ids,
+                                                            col_ids)
         return row_lse + 1e-3, pos_logit, col_lse  # a small error in one output
 
     library.impl("stochastic_round", round_to_nearest, "CPU")
