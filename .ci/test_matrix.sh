@@ -11,7 +11,7 @@ PY=${PY:-.venv/bin/python}
 MATRIX=${MATRIX:-.venv-matrix}
 MAIN_SITE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 
-# venv NAME PIP_SPEC: creates $MATRIX/NAME (once per spec) and checks which version imports there
+# venv NAME "PIP_SPECS": creates $MATRIX/NAME (once per spec list) and checks which version imports there
 venv() {
     local dir="$MATRIX/$1" spec="$2"
     if [ "$(cat "$dir/.spec" 2>/dev/null)" != "$spec" ]; then
@@ -20,7 +20,8 @@ venv() {
         local site
         site=$("$dir/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
         echo "import site; site.addsitedir('$MAIN_SITE')" > "$site/_clipshard_main_venv.pth"
-        "$dir/bin/python" -m pip install -q --disable-pip-version-check "$spec"
+        # shellcheck disable=SC2086  # several specs, split on spaces
+        "$dir/bin/python" -m pip install -q --disable-pip-version-check $spec
         echo "$spec" > "$dir/.spec"
     fi
 }
@@ -40,8 +41,10 @@ OC=tests/integrations/open_clip
 THREE_RANKS=$HF/test_transformers_distributed.py::test_loss_and_ddp_gradients_equal_the_global_batch[3]
 ST=tests/integrations/sentence_transformers
 start=$SECONDS
-venv transformers-4.50 transformers==4.50.3
-venv transformers-4.57 transformers==4.57.6
+# transformers 4.x needs huggingface-hub < 1.0, and transformers.trainer imports datasets when it is
+# installed: .venv's datasets needs a newer hub, so these venvs hold a datasets that accepts 0.x
+venv transformers-4.50 "transformers==4.50.3 datasets==4.4.2"
+venv transformers-4.57 "transformers==4.57.6 datasets==4.4.2"
 venv open_clip-2.26 open_clip_torch==2.26.1
 venv sentence_transformers-6.0 sentence-transformers==6.0.0
 echo "matrix venvs: $((SECONDS - start)) s"
