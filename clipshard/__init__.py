@@ -5,7 +5,6 @@ The integrations (clipshard.integrations) and the self-check (clipshard.diagnost
 through their own subpackages; the root names them (apply_to_open_clip, apply_to_transformers,
 apply_to_sentence_transformers, text_tower_to_half_precision_, self_check) and imports them on first use.
 """
-from clipshard import optim
 from clipshard.grad_cache import GradCache
 from clipshard.losses import ClipLoss, DistillClipLoss, SigLipLoss, clip_loss, siglip_loss
 from clipshard.ops.contrastive_lse import contrastive_lse
@@ -22,6 +21,9 @@ _WINGS = {
     "text_tower_to_half_precision_": "clipshard.integrations.open_clip_text_tower",
     "self_check": "clipshard.diagnostics",
 }
+# clipshard.optim on first use too: its AdamW.step is marked for torch.compile, which imports
+# torch._dynamo (about 1.5 s), and a process that only computes losses has no need of it
+_SUBPACKAGES = ("optim",)
 
 __all__ = ["ClipLoss", "DistillClipLoss", "GradCache", "SigLipLoss", "apply_to_open_clip",
            "apply_to_sentence_transformers", "apply_to_transformers",
@@ -30,10 +32,12 @@ __all__ = ["ClipLoss", "DistillClipLoss", "GradCache", "SigLipLoss", "apply_to_o
 
 
 def __getattr__(name):
-    if name in _WINGS:
-        import importlib
+    import importlib
 
+    if name in _WINGS:
         return getattr(importlib.import_module(_WINGS[name]), name)
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"clipshard.{name}")
     raise AttributeError(f"module 'clipshard' has no attribute {name!r}")
 
 

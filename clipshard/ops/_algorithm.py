@@ -20,6 +20,8 @@ import warnings
 
 import torch
 
+from clipshard.ops.compile_marks import constant_under_compile
+
 ENV_VAR = "CLIPSHARD_ALGORITHM"
 
 # Per op: the registered operator, and the compiled algorithm "auto" picks per device type.
@@ -101,7 +103,7 @@ def explain_auto(op, device_type, *dtypes):
 
 # torch.compile evaluates this once while tracing: the dispatcher query cannot be traced, and the
 # choice (and its warning) belongs to the trace, not to the compiled graph.
-@torch.compiler.assume_constant_result
+@constant_under_compile
 def _auto(op, device_type, dtypes):
     algorithm, reason, warning_key = explain_auto(op, device_type, *dtypes)
     if warning_key is not None:

@@ -36,6 +36,7 @@ from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
 from clipshard.ops import env_vars
 from clipshard.ops.seeds import as_int64
 from clipshard.ops import _algorithm
+from clipshard.ops.compile_marks import constant_under_compile
 from clipshard.ops.portable_distill import distill_lse_backward_torch, distill_lse_torch
 from clipshard.ops.portable_lse import contrastive_lse_backward_torch, contrastive_lse_torch
 from clipshard.ops.portable_siglip import siglip_block_torch
@@ -259,7 +260,7 @@ def kernel(name, device, *dtypes):
     return op if _agrees(probe, None, device, dtypes) else fallback
 
 
-@torch.compiler.assume_constant_result
+@constant_under_compile
 def _agrees(probe, algorithm, device, dtypes):
     """The verdict on the compiled kernel for (probe, algorithm, device, dtypes); the first call for a
     device type that is checked runs the check. A dictionary lookup afterwards."""

@@ -4,6 +4,7 @@ Every batch is a pure function of (seed, step, rank): which images and which cap
 step uses is drawn from generators seeded by the step, so a resumed run reads exactly the data an
 uninterrupted run would have read, with no sampler state to save.
 """
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -81,8 +82,10 @@ class DigitsData:
 SPLIT_SEED = 0  # the held-out split is the same whatever --seed is
 
 
+@functools.lru_cache(maxsize=1)  # parse_args asks for the split's size before training loads it
 def load_digits_data(test_fraction: float = 0.2) -> DigitsData:
-    """scikit-learn's bundled 8x8 digits (1797 images, no download), split per class."""
+    """scikit-learn's bundled 8x8 digits (1797 images, no download), split per class. Cached: one
+    DigitsData per process, whose tensors callers read and never modify."""
     from sklearn.datasets import load_digits
 
     digits = load_digits()

@@ -47,4 +47,6 @@ def test_a_tiny_run_with_the_digit_as_sample_id_and_through_grad_cache(tmp_path)
     assert metrics["loss_floor"] > 1.0 and metrics["final_loss"] >= metrics["loss_floor"] - 1e-6
     plain, micro = runs["plain"]["history"]["loss"], runs["micro"]["history"]["loss"]
     assert len(plain) == len(micro) == 4
-    assert max(abs(a - b) / abs(b) for a, b in zip(micro, plain)) <= 1e-5
+    difference = max(abs(a - b) / abs(b) for a, b in zip(micro, plain))
+    print(f"max relative per-step loss difference, GradCache vs plain {difference:.2e}")
+    assert difference <= 1e-5
