@@ -65,7 +65,9 @@ def ranking_loss(queries, docs, options, layout, ids=None):
     """This rank's loss (module docstring). queries: B x D, docs: list of (1 + H) B x D tensors
     (positives, then hard-negative columns), one dtype and device, dense; layout: the ShardLayout of
     the gathered batch (single_process_layout(B) without gathering); ids: B int64 sample ids on the
-    embeddings' device, or None (then options.targets is None)."""
+    embeddings' device, or None (then options.targets is None). With query_to_doc alone and no ids
+    (the default options) the normalised and gathered columns are recomputed in the backward
+    instead of kept (sentence_transformers_columns); the other options take the path below."""
     directions = set(options.directions)
     if ids is None and directions == {"query_to_doc"}:  # the default options: normalised and gathered
         # copies only inside the op's forward and backward (sentence_transformers_columns)
