@@ -39,7 +39,7 @@ def _cosine_backward_(grad, x, denom):
     """dL/dx from grad = dL/d(x / denom), in place in `grad` (module docstring)."""
     if denom is None:
         return grad
-    x = x.to(grad.dtype)  # 16-bit inputs: their gradient accumulates in fp32
+    x = x.to(grad.dtype)  # 16-bit queries: their gradient accumulates in fp32
     dot = torch.bmm(x.unsqueeze(1), grad.unsqueeze(2)).view(-1, 1)  # <x, g> per row, no B x D temporary
     # dx = (g - x <x, g> / ||x||^2) / ||x||; the clamped norm (below eps) passes no gradient
     coef = torch.where(denom > _EPS, dot / (denom * denom), torch.zeros_like(dot))
@@ -66,8 +66,10 @@ class _QueryToDocLSE(torch.autograd.Function):
         gathered = queries.new_empty(layout.total * len(docs), queries.shape[1])
         for q, k, start, size in _pieces(layout, len(docs)):
             piece = gathered[start: start + size]
-            if q == layout.rank:
-                piece.copy_(docs[k]) if d_denoms[k] is None else _normalised(docs[k], d_denoms[k], out=piece)
+            if q == layout.rank and cosine:
+                _normalised(docs[k], d_denoms[k], out=piece)
+            elif q == layout.rank:
+                piece.copy_(docs[k])
             if layout.world_size > 1:
                 dist.broadcast(piece, group=layout.group, group_src=q)
         scale_t = torch.tensor(float(scale), dtype=accumulate_dtype(queries.dtype), device=queries.device)
