@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from clipshard.integrations.sentence_transformers_columns import query_to_doc_lse
 from clipshard.ops.contrastive_lse import contrastive_lse
 from clipshard.ops.inputs import accumulate_dtype
 from clipshard.parallel.collectives import gather_rows
@@ -64,8 +65,14 @@ def ranking_loss(queries, docs, options, layout, ids=None):
     """This rank's loss (module docstring). queries: B x D, docs: list of (1 + H) B x D tensors
     (positives, then hard-negative columns), one dtype and device, dense; layout: the ShardLayout of
     the gathered batch (single_process_layout(B) without gathering); ids: B int64 sample ids on the
-    embeddings' device, or None (then options.targets is None)."""
+    embeddings' device, or None (then options.targets is None). With query_to_doc alone and no ids
+    (the default options) the normalised and gathered columns are recomputed in the backward
+    instead of kept (sentence_transformers_columns); the other options take the path below."""
     directions = set(options.directions)
+    if ids is None and directions == {"query_to_doc"}:  # the default options: normalised and gathered
+        # copies only inside the op's forward and backward (sentence_transformers_columns)
+        lse, pos = query_to_doc_lse(queries, docs, options.scale, options.cosine, layout)
+        return _weighted((lse - pos).mean(), layout)
     if options.cosine:  # once per embedding; its backward recomputes from the raw rows and their norms
         queries, docs = F.normalize(queries, p=2, dim=-1), [F.normalize(d, p=2, dim=-1) for d in docs]
     acc = accumulate_dtype(queries.dtype)
@@ -112,7 +119,11 @@ def ranking_loss(queries, docs, options, layout, ids=None):
     # the positive score: query_to_doc's (S(d_i, q_i) is the same number); with "multi" the mean
     # over the same-id pairs of both blocks that hold positives
     positive = positives[0] if targets != "multi" else sum(positives[1:], positives[0]) / len(positives)
-    loss = (log_z - positive).mean()
+    return _weighted((log_z - positive).mean(), layout)
+
+
+def _weighted(loss, layout):
+    """w_r x this rank's mean (module docstring: unequal batches)."""
     if layout.world_size > 1 and min(layout.sizes) != max(layout.sizes):
         loss = loss * (layout.world_size * layout.local_size / layout.total)
     return loss

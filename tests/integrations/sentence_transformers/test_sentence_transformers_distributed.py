@@ -2,8 +2,10 @@
 and CachedMultipleNegativesRankingLoss (and so of their symmetric forms, which are these with fixed
 options) equal the library's own in fp64 (1e-10 relative) and fp32 (1e-5) for every fused option
 combination on 1, 2 and 3 gloo ranks, with and without gathering; unequal local batches with
-gathering, and sample ids, equal the fp64 reference of the global batch. Bad input on one rank, or
-ranks that disagree, raise on every rank (2 ranks). One process group per world size runs every case."""
+gathering, and sample ids, equal the fp64 reference of the global batch. The default options'
+recomputing query_to_doc (sentence_transformers_columns) equals plain autograd through F.normalize,
+the gather and the op in fp64 (unequal batches, hard negatives). Bad input on one rank, or ranks that
+disagree, raise on every rank (2 ranks). One process group per world size runs every case."""
 import pytest
 import torch
 
@@ -11,10 +13,12 @@ pytest.importorskip("sentence_transformers", reason="sentence-transformers is no
                     "pip install '.[sentence_transformers]'")
 
 from tests.dist_utils import report_worst, run_group  # noqa: E402
-from tests.integrations.sentence_transformers import bad_inputs  # noqa: E402
+from clipshard.parallel.layout import ShardLayout, single_process_layout  # noqa: E402
+from tests.integrations.sentence_transformers import bad_inputs, columns_case  # noqa: E402
 from tests.integrations.sentence_transformers.st_cases import TOLERANCE, worst_differences  # noqa: E402
 
 SIZES = {1: [[5]], 2: [[4, 4], [5, 2]], 3: [[3, 3, 3], [4, 1, 3]]}
+COLUMNS_TOLERANCE = 1e-10  # fp64
 
 
 def _check(worst_per_rank):
@@ -33,8 +37,22 @@ def test_one_process(with_ids):
     _check([worst_differences(0, 1, SIZES[1], with_ids)])
 
 
+def _check_columns(worst_per_rank):
+    worst = max(worst_per_rank)
+    report_worst({"query_to_doc recomputing vs autograd float64": worst})
+    assert worst <= COLUMNS_TOLERANCE, worst_per_rank
+
+
+def test_columns_one_process():
+    _check_columns([columns_case.worst_difference(single_process_layout(5))])
+
+
 def _rank(rank, world_size):
+    import torch.distributed as dist
+
     out = {with_ids: worst_differences(rank, world_size, SIZES[world_size], with_ids) for with_ids in (False, True)}
+    # the unequal sizes
+    out["columns"] = columns_case.worst_difference(ShardLayout(tuple(SIZES[world_size][1]), rank, dist.group.WORLD))
     out["bad input"] = bad_inputs.messages(rank) if world_size == 2 else None
     return out
 
@@ -53,6 +71,7 @@ def test_ranks(world_size):
     results = run_group(_rank, world_size, timeout=400)
     for with_ids in (False, True):
         _check([r[with_ids] for r in results])
+    _check_columns([r["columns"] for r in results])
     if world_size == 2:
         for case in bad_inputs.CASES:
             for rank, expected in enumerate(EXPECTED[case]):

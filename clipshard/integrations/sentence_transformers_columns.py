@@ -1,0 +1,120 @@
+"""query_to_doc of the sentence-transformers ranking loss over every rank's document columns, with
+a backward that recomputes instead of keeping copies (the default options' path of ranking_loss).
+
+Rank q's columns are its pieces (positives, then each hard-negative column: 1 + H pieces of
+B_q x D), stacked rank by rank: the stacked gather's order, row i's positive at stacked index
+(1 + H) * offset + i. Piece (q, k) travels by one broadcast from rank q.
+
+Forward (no autograd graph inside): normalise (cosine) the local rows and, directly into their
+slice of the gathered buffer, the local columns; broadcast the pieces; one contrastive_lse call for
+the row LSEs and the positive logits. Saved: the raw inputs (the caller's tensors), their norms,
+the row LSEs; not the normalised or the gathered copies.
+
+Backward, piece by piece in the same order: re-normalise and broadcast piece (q, k) again (the
+forward's communication), the op's backward on (rows, piece) with the FULL row LSEs (positives only
+in this rank's own first piece), accumulate d rows, and reduce the piece's d columns to rank q, so
+that one piece, its gradient and the rows are alive besides the gradients returned. Then the
+cosine backward by hand on the raw inputs: for y = x / max(||x||, eps), with g = dL/dy,
+dx = (g - y <y, g>) / ||x|| where ||x|| >= eps, else g / eps (F.normalize's rule).
+"""
+import torch
+import torch.distributed as dist
+
+from clipshard.ops.contrastive_lse import contrastive_lse, contrastive_lse_backward
+from clipshard.ops.inputs import accumulate_dtype
+
+_EPS = 1e-12  # F.normalize's default
+
+
+def _denominator(x):
+    """max(||x_i||, eps) per row, as F.normalize (a column vector)."""
+    return torch.linalg.vector_norm(x, dim=1, keepdim=True).clamp_min_(_EPS)
+
+
+def _normalised(x, denom, out=None):
+    return x if denom is None else torch.div(x, denom, out=out)
+
+
+def _cosine_backward_(grad, x, denom):
+    """dL/dx from grad = dL/d(x / denom), in place in `grad` (module docstring)."""
+    if denom is None:
+        return grad
+    x = x.to(grad.dtype)  # 16-bit queries: their gradient accumulates in fp32
+    dot = torch.bmm(x.unsqueeze(1), grad.unsqueeze(2)).view(-1, 1)  # <x, g> per row, no B x D temporary
+    # dx = (g - x <x, g> / ||x||^2) / ||x||; the clamped norm (below eps) passes no gradient
+    coef = torch.where(denom > _EPS, dot / (denom * denom), torch.zeros_like(dot))
+    return grad.addcmul_(x, coef, value=-1).div_(denom)
+
+
+def _pieces(layout, count):
+    """(rank q, piece k, first stacked row, rows) of every piece, in the order every rank visits them."""
+    start = 0
+    for q, size in enumerate(layout.sizes):
+        for k in range(count):
+            yield q, k, start, size
+            start += size
+
+
+class _QueryToDocLSE(torch.autograd.Function):
+    """(row LSE, positive logit) of the local queries over every rank's stacked document columns."""
+
+    @staticmethod
+    def forward(ctx, scale, cosine, layout, queries, *docs):
+        ctx.scale, ctx.layout, ctx.count = scale, layout, len(docs)
+        q_denom = _denominator(queries) if cosine else None
+        d_denoms = [_denominator(d) if cosine else None for d in docs]
+        gathered = queries.new_empty(layout.total * len(docs), queries.shape[1])
+        for q, k, start, size in _pieces(layout, len(docs)):
+            piece = gathered[start: start + size]
+            if q == layout.rank and cosine:
+                _normalised(docs[k], d_denoms[k], out=piece)
+            elif q == layout.rank:
+                piece.copy_(docs[k])
+            if layout.world_size > 1:
+                dist.broadcast(piece, group=layout.group, group_src=q)
+        scale_t = torch.tensor(float(scale), dtype=accumulate_dtype(queries.dtype), device=queries.device)
+        row_lse, pos, _ = contrastive_lse(_normalised(queries, q_denom), gathered, scale_t, None,
+                                          layout.offset * len(docs), False)
+        ctx.save_for_backward(queries, row_lse, q_denom, *docs, *d_denoms)
+        return row_lse, pos
+
+    @staticmethod
+    def backward(ctx, g_row, g_pos):
+        layout, count = ctx.layout, ctx.count
+        queries, row_lse, q_denom, *rest = ctx.saved_tensors
+        docs, d_denoms = rest[:count], rest[count:]
+        g_row = torch.zeros_like(row_lse) if g_row is None else g_row.contiguous()
+        g_pos = torch.zeros_like(row_lse) if g_pos is None else g_pos.contiguous()
+        scale = torch.tensor(float(ctx.scale), dtype=row_lse.dtype, device=row_lse.device)
+        rows = _normalised(queries, q_denom)
+        grad_dtype = torch.promote_types(queries.dtype, torch.float32)  # fp32 accumulation for 16-bit
+        d_rows, d_docs = None, [None] * count
+        for q, k, _, size in _pieces(layout, count):
+            own = q == layout.rank
+            if own:
+                piece = _normalised(docs[k], d_denoms[k]).contiguous()
+            else:
+                piece = queries.new_empty(size, queries.shape[1])
+            if layout.world_size > 1:
+                dist.broadcast(piece, group=layout.group, group_src=q)
+            # row i's positive is column i of this rank's own first piece; no positives elsewhere
+            dr, dc, _, _ = contrastive_lse_backward(g_row, g_pos, None, rows, piece, scale, None,
+                                                    0 if own and k == 0 else None, row_lse, None)
+            d_rows = dr.to(grad_dtype) if d_rows is None else d_rows.add_(dr)
+            del piece, dr
+            if layout.world_size > 1:
+                dist.reduce(dc, group=layout.group, group_dst=q)
+            if own:
+                d_docs[k] = _cosine_backward_(dc, docs[k], d_denoms[k])
+            del dc  # not alive during the next piece's work
+        d_queries = _cosine_backward_(d_rows, queries, q_denom).to(queries.dtype)
+        need = ctx.needs_input_grad
+        return (None, None, None, d_queries if need[3] else None,
+                *(d if n else None for d, n in zip(d_docs, need[4:])))
+
+
+def query_to_doc_lse(queries, docs, scale, cosine, layout):
+    """(row LSE [B], positive logit [B]) of query_to_doc: the local queries (B x D) against every
+    rank's documents (docs: the local 1 + H columns, B x D each), cosine or dot-product similarity
+    times `scale` (a float), the gathered batch as `layout` says (module docstring)."""
+    return _QueryToDocLSE.apply(float(scale), bool(cosine), layout, queries, *docs)
