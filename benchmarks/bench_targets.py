@@ -10,11 +10,12 @@ Configurations (B pairs, features B x D, normalised, logit scale 14.3):
   (materialised: the rows' cross-entropy over [logits | image @ negatives^T], as sentence-transformers'
   MultipleNegativesRankingLoss writes it, plus the columns' over the B texts).
 For each: median time of the forward + backward (benchmarks/_measure.py: wall-clock on CPU, CUDA
-events on CUDA), peak memory the call allocates beyond its inputs (feature gradients included),
-and the two losses' relative difference (a check that both compute the same objective). The
-ratios: clipshard over the materialised loss, and clipshard over clipshard's plain loss, against
-the targets set for this benchmark (peak <= 1/20 of the materialised at h = 3; ids <= 1.15 x plain; h
-negatives <= 1.15 (1 + h) x plain; below the materialised everywhere), printed as checks.
+events on CUDA; the repeats are interleaved, each round timing every configuration once), peak
+memory the call allocates beyond its inputs (feature gradients included), and the two losses'
+relative difference (a check that both compute the same objective). The ratios: clipshard over the
+materialised loss, and clipshard over clipshard's plain loss, against the targets set for this
+benchmark (peak <= 1/20 of the materialised at h = 3; ids <= 1.15 x plain; h negatives <= 1.15 (1 + h)
+x plain; below the materialised everywhere), printed as checks.
 
     python benchmarks/bench_targets.py --device cpu --json bench_results/targets_cpu.json
     python benchmarks/bench_targets.py --quick        # tiny sizes, seconds (the test runs this)
@@ -30,7 +31,7 @@ import clipshard
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _measure import (parser_with_common_arguments, peak_memory_bytes, print_table, require_device,  # noqa: E402
-                      run_metadata, time_repeats, write_json)
+                      run_metadata, summarize, time_call, write_json)
 
 HARD_NEGATIVES_PER_ROW = (1, 3, 7)
 DUPLICATE_FRACTION = 0.1
@@ -111,31 +112,39 @@ def _step(loss_fn, inputs):
     return torch.autograd.grad(loss_fn(*inputs), inputs)
 
 
-def measure(loss_fn, inputs, device, repeats):
-    loss = loss_fn(*inputs)  # the warm-up call, whose loss value is kept
+def warm_up_and_measure_memory(loss_fn, inputs, device):
+    """The warm-up call (whose loss value is kept) and the peak memory of one forward + backward."""
+    loss = loss_fn(*inputs)
     torch.autograd.grad(loss, inputs)
-    fn = lambda: _step(loss_fn, inputs)  # noqa: E731
-    result = time_repeats(fn, device, repeats, warmup=0)
-    result["peak_bytes"] = peak_memory_bytes(fn, device)
-    result["loss"] = loss.item()
-    return result
+    return {"loss": loss.item(), "peak_bytes": peak_memory_bytes(lambda: _step(loss_fn, inputs), device)}
 
 
 def run(batch, dim, device, scale, repeats, hard_negatives_per_row=HARD_NEGATIVES_PER_ROW):
+    """The timed calls are interleaved: each of the `repeats` rounds times every configuration's
+    clipshard and materialised step once, so a change of the machine's load between configurations
+    moves the ratios far less than timing one configuration's repeats after another's."""
+    configs = configurations(batch, dim, device, scale, hard_negatives_per_row)
+    steps = [(name, side, functools.partial(_step, loss_fn, inputs))
+             for name, _, inputs, ours, reference in configs
+             for side, loss_fn in (("clipshard", ours), ("materialised", reference))]
+    results = {}
+    for (name, _, inputs, ours, reference) in configs:
+        for side, loss_fn in (("clipshard", ours), ("materialised", reference)):
+            results[name, side] = warm_up_and_measure_memory(loss_fn, inputs, device)
+    times = {(name, side): [] for name, side, _ in steps}
+    for round_ in range(repeats):
+        for name, side, step in steps:
+            times[name, side].append(time_call(step, device))
+        print(f"  round {round_ + 1} of {repeats} timed", file=sys.stderr, flush=True)
     rows = []
-    for name, h, inputs, ours, reference in configurations(batch, dim, device, scale, hard_negatives_per_row):
-        mine, theirs = measure(ours, inputs, device, repeats), measure(reference, inputs, device, repeats)
+    for name, h, _, _, _ in configs:
+        mine = {**results[name, "clipshard"], **summarize(times[name, "clipshard"])}
+        theirs = {**results[name, "materialised"], **summarize(times[name, "materialised"])}
         rows.append({"config": name, "h": h, "batch": batch, "dim": dim,
                      "clipshard": mine, "materialised": theirs,
                      "loss_difference": abs(mine["loss"] - theirs["loss"]) / abs(theirs["loss"]),
                      "time_vs_materialised": mine["median_s"] / theirs["median_s"],
                      "mem_vs_materialised": mine["peak_bytes"] / theirs["peak_bytes"]})
-        print(f"  {name:12s} clipshard {mine['median_s'] * 1e3:9.1f} ms ({mine['p20_s'] * 1e3:.1f}-"
-              f"{mine['p80_s'] * 1e3:.1f}) {mine['peak_bytes'] / 2**20:8.1f} MiB   materialised "
-              f"{theirs['median_s'] * 1e3:9.1f} ms ({theirs['p20_s'] * 1e3:.1f}-{theirs['p80_s'] * 1e3:.1f}) "
-              f"{theirs['peak_bytes'] / 2**20:8.1f} MiB   loss difference {rows[-1]['loss_difference']:.1e}",
-              file=sys.stderr, flush=True)
-        del inputs
     plain = rows[0]["clipshard"]["median_s"]
     for r in rows:
         r["time_vs_plain"] = r["clipshard"]["median_s"] / plain
