@@ -5,10 +5,12 @@ import pytest
 import torch
 
 import clipshard
+from tests.comparisons import GRADIENT_NAMES, assert_all_within
 from tests.references.clip_targets import clip_targets_reference
 
 M, D, H = 13, 19, 5
 ALGORITHMS = ["auto", "torch"]
+BIAS_FLOOR = {"bias": 1.0}  # d bias of a softmax row is exactly zero without masks: compare it in absolute terms
 
 
 def _batch(dtype, seed, m=M, h=H):
@@ -33,23 +35,6 @@ def _grads(loss_fn, image, text, negatives, scale, bias, upstream=0.37):
         g = None if t is None else next(grads)
         out.append(None if t is None else (torch.zeros_like(t) if g is None else g).double())
     return out
-
-
-def _max_rel(got, want):
-    return ((got - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
-
-
-NAMES = ["loss", "image", "text", "hard_negatives", "scale", "bias"]
-
-
-def _compare(got, want, tol, case):
-    for name, g, w in zip(NAMES, got, want):
-        if w is None:
-            assert g is None, (case, name)
-            continue
-        # d bias of a softmax row is exactly zero without masks: compare it in absolute terms
-        error = _max_rel(g, w) if name != "bias" else (g - w).abs().max().item() / max(1.0, w.abs().item())
-        assert error <= tol, f"{case}: {name} relative error {error:.3g} > {tol:.3g}"
 
 
 CASES = [(targets, direction, with_negatives, bias)
@@ -77,7 +62,7 @@ def test_matches_the_materialised_reference(dtype, tol, algorithm):
 
         want = _grads(reference, image.double(), text.double(), None if negs is None else negs.double(),
                       scale.double(), None if bias is None else bias.double())
-        _compare(_grads(ours, image, text, negs, scale, bias), want, tol, case)
+        assert_all_within(_grads(ours, image, text, negs, scale, bias), want, tol, case, BIAS_FLOOR)
 
 
 def test_targets_default_to_mask_and_the_module_takes_the_options():
@@ -104,7 +89,7 @@ def test_all_ids_equal(targets):
                   scale, bias)
     got = _grads(lambda i, t, h, s, b: clipshard.clip_loss(i, t, s, b, hard_negatives=h, sample_ids=ids,
                                                           targets=targets), image, text, negatives, scale, bias)
-    _compare(got, want, 1e-10, f"all ids equal, {targets}")
+    assert_all_within(got, want, 1e-10, f"all ids equal, {targets}", BIAS_FLOOR)
     if targets == "mask":  # by hand: row i's LSE over S_ii and the negatives
         logits = scale * image @ text.T + bias
         extra = scale * image @ negatives.T + bias
@@ -128,7 +113,7 @@ def test_all_ids_distinct_is_the_loss_without_ids(algorithm):
         multi = _grads(lambda i, t, h, s, b: clipshard.clip_loss(i, t, s, b, algorithm=algorithm, hard_negatives=h,
                                                                 sample_ids=ids, targets="multi"),
                        image, text, negs, scale, bias)
-        for name, a, b, c in zip(NAMES, plain, mask, multi):
+        for name, a, b, c in zip(GRADIENT_NAMES, plain, mask, multi):
             if a is None:
                 continue
             if algorithm == "torch":
@@ -154,7 +139,7 @@ def test_without_the_options_the_loss_is_unchanged():
     torch_path = _grads(lambda i, t, h, s, b: clipshard.clip_loss(i, t, s, b, algorithm="torch"),
                         image, text, None, scale, bias)
     for k in (0, 1, 2, 4, 5):
-        assert torch.equal(empty[k], torch_path[k]), NAMES[k]
+        assert torch.equal(empty[k], torch_path[k]), GRADIENT_NAMES[k]
     assert empty[3].shape == (0, D)
 
 

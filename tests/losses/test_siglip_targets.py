@@ -7,16 +7,13 @@ import pytest
 import torch
 
 import clipshard
+from tests.comparisons import assert_all_within, max_relative_error
 from tests.references.siglip_targets import siglip_targets_loss_reference
 
 ALGORITHMS = ["auto", "torch"]
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}  # relative to the largest reference value
 # ids with repeats (the own pair's id shared with other rows) and a unique one
 IDS = torch.tensor([3, 1, 3, 0, 1, 5, 3, 9, 1])
-
-
-def _max_rel(got, want):
-    return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
 def _features(m, h, dim, seed, dtype):
@@ -47,21 +44,9 @@ def _reference(image, text, negatives, scale, bias, upstream, **kwargs):
     return [loss.detach()] + [None if t is None else t.grad for t in leaves]
 
 
-NAMES = ["loss", "image", "text", "hard_negatives", "scale", "bias"]
-
-
-def _compare(got, want, tol, case):
-    for name, g, w in zip(NAMES, got, want):
-        if w is None:
-            assert g is None, (case, name)
-            continue
-        error = _max_rel(g, w)
-        assert error <= tol, f"{case}: {name} relative error {error:.3g} > {tol:.3g}"
-
-
 def _labels_matter(want, without_ids, tol):
     """The check can fail: the reference without the labels by id is far from the one with them."""
-    assert max(_max_rel(a, b) for a, b in zip(without_ids, want) if b is not None) > 100 * tol
+    assert max(max_relative_error(a, b) for a, b in zip(without_ids, want) if b is not None) > 100 * tol
 
 
 CASES = [  # (dtype, scale, bias, hard negatives)
@@ -85,7 +70,7 @@ def test_matches_fp64_reference(algorithm, targets, dtype, scale_value, bias_val
     for loss_fn in (lambda *a, **k: clipshard.siglip_loss(*a, algorithm=algorithm, **k),
                     clipshard.SigLipLoss(algorithm=algorithm)):
         got = _run(loss_fn, image, text, negatives, scale, bias, upstream, sample_ids=IDS, targets=targets)
-        _compare(got, want, TOLERANCE[dtype], case)
+        assert_all_within(got, want, TOLERANCE[dtype], case)
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -103,14 +88,14 @@ def test_all_ids_equal(algorithm, dtype):
     closed = {"multi": (softplus(-logits).sum() + extra) / m, "mask": (softplus(-logits.diagonal()).sum() + extra) / m}
     without_ids = clipshard.siglip_loss(image, text, scale, bias, hard_negatives=negatives, algorithm=algorithm)
     for targets, want in closed.items():
-        assert _max_rel(without_ids, want) > 100 * TOLERANCE[dtype]  # the ids must change the loss
+        assert max_relative_error(without_ids, want) > 100 * TOLERANCE[dtype]  # the ids must change the loss
         got = clipshard.siglip_loss(image, text, scale, bias, hard_negatives=negatives, sample_ids=ids,
                                     targets=targets, algorithm=algorithm)
-        assert _max_rel(got, want) <= TOLERANCE[dtype], (targets, got, want)
+        assert max_relative_error(got, want) <= TOLERANCE[dtype], (targets, got, want)
         full = _run(lambda *a, **k: clipshard.siglip_loss(*a, algorithm=algorithm, **k), image, text, negatives,
                     scale, bias, 0.25, sample_ids=ids, targets=targets)
-        _compare(full, _reference(image, text, negatives, scale, bias, 0.25, sample_ids=ids, targets=targets),
-                 TOLERANCE[dtype], f"all ids equal, {targets}")
+        reference = _reference(image, text, negatives, scale, bias, 0.25, sample_ids=ids, targets=targets)
+        assert_all_within(full, reference, TOLERANCE[dtype], f"all ids equal, {targets}")
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -127,7 +112,7 @@ def test_all_ids_distinct_is_the_loss_without_ids(algorithm, h):
     want = _run(loss_fn, image, text, negatives, scale, bias, 0.5 / m)
     for targets in ("multi", "mask"):
         got = _run(loss_fn, image, text, negatives, scale, bias, 0.5 / m, sample_ids=ids, targets=targets)
-        _compare(got, [w.double() if w is not None else None for w in want], 1e-12, f"distinct ids, {targets}")
+        assert_all_within(got, [w.double() if w is not None else None for w in want], 1e-12, f"distinct ids, {targets}")
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -136,7 +121,7 @@ def test_empty_hard_negatives_are_no_hard_negatives(algorithm):
     scale, bias = torch.tensor(10.0), torch.tensor(-10.0)
     want = clipshard.siglip_loss(image, text, scale, bias, algorithm=algorithm)
     got = clipshard.siglip_loss(image, text, scale, bias, hard_negatives=negatives, algorithm=algorithm)
-    assert _max_rel(got, want.double()) <= 1e-6
+    assert max_relative_error(got, want.double()) <= 1e-6
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -158,7 +143,7 @@ def test_output_dict():
     scale, bias = torch.tensor(10.0, dtype=torch.float64), torch.tensor(-3.0, dtype=torch.float64)
     got = clipshard.SigLipLoss()(image, text, scale, bias, output_dict=True, hard_negatives=negatives, sample_ids=ids)
     want = siglip_targets_loss_reference(image, text, scale, bias, sample_ids=ids, hard_negatives=negatives)
-    assert set(got) == {"contrastive_loss"} and _max_rel(got["contrastive_loss"], want) <= 1e-10
+    assert set(got) == {"contrastive_loss"} and max_relative_error(got["contrastive_loss"], want) <= 1e-10
 
 
 def test_bad_arguments_name_the_argument():

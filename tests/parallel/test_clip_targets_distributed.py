@@ -11,11 +11,11 @@ import torch
 import torch.distributed as dist
 
 import clipshard
+from tests.comparisons import GRADIENT_NAMES, max_relative_error
 from tests.dist_utils import report_worst, run_group
 from tests.references.clip_targets import clip_targets_rank_reference
 
 COMBINATIONS = [(True, True), (False, True), (True, False), (False, False)]  # (local_loss, gather_with_grad)
-NAMES = ["loss", "image", "text", "hard_negatives", "scale", "bias"]
 D = 9
 
 
@@ -58,8 +58,7 @@ def _error(name, got, want):
     assert got.shape == want.shape, (name, got.shape, want.shape)
     if want.numel() == 0:  # the hard negatives of a rank without any
         return 0.0
-    floor = 1.0 if name == "bias" else 1e-30  # d bias of a softmax loss is exactly zero
-    return ((got - want).abs().max() / want.abs().max().clamp_min(floor)).item()
+    return max_relative_error(got, want, floor=1.0 if name == "bias" else 1e-30)  # d bias of a softmax loss is 0
 
 
 def _compare_all(rank, world_size, sizes, negative_sizes, dtype, tol, bias_value, seed, negative_options):
@@ -89,7 +88,7 @@ def _compare_all(rank, world_size, sizes, negative_sizes, dtype, tol, bias_value
                         got = _run(call, image64[mine].to(dtype), text64[mine].to(dtype),
                                    None if negatives is None else negatives[rank].to(dtype), scale, bias,
                                    upstream[rank])
-                        for k, name in enumerate(NAMES):
+                        for k, name in enumerate(GRADIENT_NAMES):
                             g, w = got[k], want[k]
                             if w is None:
                                 assert g is None, (case, name)
@@ -117,7 +116,7 @@ def _zero_negatives_are_no_negatives(rank, world_size, sizes):
             empty = _run(lambda i, t, h, s, b: module(i, t, s, b, hard_negatives=h), image, text,
                          torch.zeros(0, D), scale, bias, 0.3)
             for k in (0, 1, 2, 4, 5):
-                assert torch.equal(plain[k], empty[k]), (local_loss, gather_with_grad, mode, NAMES[k])
+                assert torch.equal(plain[k], empty[k]), (local_loss, gather_with_grad, mode, GRADIENT_NAMES[k])
 
 
 def _main(rank, world_size, runs):

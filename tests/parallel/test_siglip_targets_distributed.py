@@ -11,19 +11,15 @@ import torch
 import torch.distributed as dist
 
 import clipshard
+from tests.comparisons import GRADIENT_NAMES, max_relative_error
 from tests.dist_utils import report_worst, run_group
 from tests.parallel.test_ring import _no_batch_gathers
 from tests.references.siglip_targets import siglip_targets_rank_reference
 
 DIST_IMPLS = [None, "bidir", "shift", "reduce", "gather"]
-NAMES = ["loss", "image", "text", "hard_negatives", "scale", "bias"]
 # Relative to the largest reference value (of the rounded inputs). bf16: the gradient GEMMs take the logit
 # gradients rounded to bf16, and the results are rounded again (test_siglip_distributed.py's 3e-2; seen: 7e-3)
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 3e-2}
-
-
-def _max_rel(got, want):
-    return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
 
 
 def _global(sizes, hard_sizes, dim, seed, id_range):
@@ -78,21 +74,21 @@ def _compare(rank, group, sizes, hard_sizes, dtype, seed, targets, with_ids, bia
                 loss_fn = clipshard.SigLipLoss(rank=rank, world_size=world_size, dist_impl=dist_impl, group=group,
                                                mode=mode, algorithm=algorithm)
                 got = _run(loss_fn, image, text, negatives, scale, bias, upstream[rank], **kwargs)
-                for name, g, w in zip(NAMES, got, want):
+                for name, g, w in zip(GRADIENT_NAMES, got, want):
                     if w is None or (name == "hard_negatives" and sum(hard_sizes) == 0):
                         assert g is None, (case, name)  # no rank has a hard negative: they take no part
                         continue
                     if w.numel() == 0:  # this rank has no hard negative
                         assert g.shape == w.shape, (case, name)
                         continue
-                    error = _max_rel(g, w)
+                    error = max_relative_error(g, w)
                     assert error <= tol, f"rank {rank} {case}: {name} relative error {error:.3g} > {tol:.3g}"
                     key = f"{dtype}/{mode}/{name}"
                     worst[key] = max(worst.get(key, 0.0), error)
             # the functional form, once per mode
             got = _run(lambda *a, **k: clipshard.siglip_loss(*a, group=group, mode=mode, algorithm=algorithm, **k),
                        image, text, negatives, scale, bias, upstream[rank], **kwargs)
-            assert _max_rel(got[0], want[0]) <= tol and _max_rel(got[1], want[1]) <= tol
+            assert max_relative_error(got[0], want[0]) <= tol and max_relative_error(got[1], want[1]) <= tol
 
 
 def _values_rank(rank, world_size):
