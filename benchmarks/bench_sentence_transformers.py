@@ -4,7 +4,9 @@ with gather_across_devices=True: the loss forward + backward on given embeddings
 hard-negative columns of B_local x D), time and peak memory per rank, all in one run.
 
 CPU: a gloo group of --world-size ranks on this machine (2 by default), sharing its cores. Per case the
-memory step runs first (it also warms up), then --steps timed steps; the methods take turns step by step.
+memory step runs first (it also warms up), then --steps timed steps; the methods take turns step by step,
+in forward and reverse order by turns.
+--methods leaves some out (the library's cached loss stage takes minutes a step at B = 4096).
 Peak memory: bytes the step allocates beyond its inputs (benchmarks/_measure.py).
 
     python benchmarks/bench_sentence_transformers.py --json bench_sentence_transformers.json
@@ -58,7 +60,7 @@ def _measure_rank(rank, args):
     for batch, negatives in args.case_list:
         gen = torch.Generator().manual_seed(1000 * rank + negatives)
         columns = [torch.randn(batch, args.dim, generator=gen) for _ in range(2 + negatives)]
-        losses = {name: _loss(name, args.mini_batch_size) for name in METHODS}
+        losses = {name: _loss(name, args.mini_batch_size) for name in args.methods}
 
         def run(name, fn):
             if name.startswith("clipshard"):
@@ -74,8 +76,11 @@ def _measure_rank(rank, args):
             dist.barrier()
             peak = run(name, lambda: peak_memory_bytes(_step(name, loss, columns, args.mini_batch_size), "cpu"))
             case["methods"][name] = {"peak_bytes": peak, "times_s": []}
-        for _ in range(args.steps):
-            for name, loss in losses.items():
+        for step in range(args.steps):
+            # forward and reverse order in turn, so that no method always runs right after the same one
+            # (a step right after the library's cached loss stage, which frees the most memory, runs slower)
+            for name in list(losses) if step % 2 == 0 else list(losses)[::-1]:
+                loss = losses[name]
                 dist.barrier()
                 seconds = run(name, lambda: time_call(_step(name, loss, columns, args.mini_batch_size), "cpu"))
                 case["methods"][name]["times_s"].append(seconds)
@@ -141,12 +146,15 @@ def main():
     parser.add_argument("--dim", type=int, default=768)
     parser.add_argument("--mini-batch-size", type=int, default=32, help="the cached loss's mini_batch_size")
     parser.add_argument("--steps", type=int, default=1, help="timed steps per method and case")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                        help="which losses to run, quoted (default: all; MNRL, the baseline, always runs)")
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=7200, help="seconds before giving up")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (B 64, D 32, H 0 and 3), for a test")
     args = parser.parse_args()
     if args.device != "cpu":
         sys.exit("bench_sentence_transformers.py: CPU only (a gloo group)")
+    args.methods = [m for m in METHODS if m in args.methods or m == "MNRL"]
     if args.quick:
         args.batches, args.negatives, args.dim, args.mini_batch_size = [64], [0, 3], 32, 16
     args.case_list = ([tuple(int(x) for x in c.split(":")) for c in args.cases] if args.cases and not args.quick
