@@ -1,11 +1,14 @@
-"""sentence_transformers_columns' query_to_doc_lse (which recomputes in its backward) against plain
-autograd through F.normalize, the stacked gather and contrastive_lse, in fp64 on one rank of a group
-(unequal local batches, 0 and 2 hard-negative columns, cosine and dot product, one row of tiny norm),
-as the worst relative difference of the outputs and of the gradients."""
+"""sentence_transformers_columns' query_to_doc_lse (both of its paths: the backward that recomputes,
+with no bytes to keep, and the one from the kept softmax) against plain autograd through F.normalize,
+the stacked gather and contrastive_lse, in fp64 on one rank of a group (unequal local batches, 0 and 2
+hard-negative columns, cosine and dot product, one row of tiny norm), as the worst relative difference
+of the outputs and of the gradients."""
+import functools
+
 import torch
 import torch.nn.functional as F
 
-from clipshard.integrations.sentence_transformers_columns import query_to_doc_lse
+from clipshard.integrations.sentence_transformers_columns import keeps_softmax, query_to_doc_lse
 from clipshard.ops.contrastive_lse import contrastive_lse
 from clipshard.parallel.collectives import gather_rows
 from clipshard.parallel.layout import ShardLayout
@@ -41,11 +44,14 @@ def worst_difference(layout):
             g_row = (0.5 + torch.rand(batch, generator=g, dtype=torch.float64)) / batch
             g_pos = -(0.5 + torch.rand(batch, generator=g, dtype=torch.float64)) / batch
             scale = 20.0 if cosine else 1.0
+            assert keeps_softmax(queries, layout.total * len(docs))  # the default budget keeps at these sizes
             results = []
-            for fn in (query_to_doc_lse, _reference):
+            recomputing, keeping = (functools.partial(query_to_doc_lse, keep_budget=b) for b in (0, None))
+            for fn in (_reference, recomputing, keeping):
                 leaves = [x.clone().requires_grad_() for x in [queries] + docs]
                 lse, pos = fn(leaves[0], leaves[1:], scale, cosine, layout)
                 ((lse * g_row).sum() + (pos * g_pos).sum()).backward()
                 results.append([lse.detach(), pos.detach()] + [leaf.grad for leaf in leaves])
-            worst = max([worst] + [_relative(a, b) for a, b in zip(*results)])
+            for got in results[1:]:
+                worst = max([worst] + [_relative(a, b) for a, b in zip(got, results[0])])
     return worst

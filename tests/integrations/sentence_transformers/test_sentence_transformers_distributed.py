@@ -3,8 +3,9 @@ and CachedMultipleNegativesRankingLoss (and so of their symmetric forms, which a
 options) equal the library's own in fp64 (1e-10 relative) and fp32 (1e-5) for every fused option
 combination on 1, 2 and 3 gloo ranks, with and without gathering; unequal local batches with
 gathering, and sample ids, equal the fp64 reference of the global batch. The default options'
-recomputing query_to_doc (sentence_transformers_columns) equals plain autograd through F.normalize,
-the gather and the op in fp64 (unequal batches, hard negatives). Bad input on one rank, or ranks that
+query_to_doc (sentence_transformers_columns: recomputing, or from the kept softmax of a small block)
+equals plain autograd through F.normalize, the gather and the op in fp64 (unequal batches, hard
+negatives), and keeps a softmax only up to its limit. Bad input on one rank, or ranks that
 disagree, raise on every rank (2 ranks). One process group per world size runs every case."""
 import pytest
 import torch
@@ -39,12 +40,22 @@ def test_one_process(with_ids):
 
 def _check_columns(worst_per_rank):
     worst = max(worst_per_rank)
-    report_worst({"query_to_doc recomputing vs autograd float64": worst})
+    report_worst({"query_to_doc (recomputing, kept softmax) vs autograd float64": worst})
     assert worst <= COLUMNS_TOLERANCE, worst_per_rank
 
 
 def test_columns_one_process():
     _check_columns([columns_case.worst_difference(single_process_layout(5))])
+
+
+def test_only_small_fp32_or_fp64_blocks_keep_their_softmax():
+    from clipshard.integrations.sentence_transformers_columns import keeps_softmax
+
+    rows = torch.empty(1024, 4)  # KEEP_SOFTMAX_BYTES: 8 MiB, 1024 x 2048 fp32 similarities
+    assert keeps_softmax(rows, 2048) and not keeps_softmax(rows, 2049)
+    assert not keeps_softmax(rows.double(), 2048) and keeps_softmax(rows.double(), 1024)
+    assert not keeps_softmax(rows.bfloat16(), 16)  # 16-bit features: the op accumulates in fp32
+    assert not keeps_softmax(rows, 1, budget=0) and keeps_softmax(rows, 1, budget=4096)
 
 
 def _rank(rank, world_size):
