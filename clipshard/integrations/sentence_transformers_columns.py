@@ -22,8 +22,9 @@ KEEP_SOFTMAX_BYTES (8 MiB, e.g. B = 1024 against K = 2048 columns), the forward 
 GEMM, saves P = softmax(S) and the backward's dS = g_row P + g_pos [own positive] needs two GEMMs
 per piece instead of the op's recomputation (three): the library's three GEMMs in all. The limit
 is measured (2 ranks on a 2-core CPU, D = 768, the library's MNRL = 1): B = 1024 against 2048
-columns took 0.85-0.86x kept against 0.82-1.32x recomputed; against 8192 columns the runs
-disagreed (0.61-1.10x kept, 0.88-1.03x recomputed) while keeping held 91 MiB instead of 27.5.
+columns took 0.85-1.12x kept against 0.82-1.32x recomputed (three runs each); against 8192
+columns the runs disagreed (0.61-1.10x kept, 0.88-1.03x recomputed) while keeping held 91 MiB
+instead of 27.5.
 16-bit inputs always take the recomputing path (the op accumulates in fp32).
 """
 import torch
