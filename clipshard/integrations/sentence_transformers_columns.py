@@ -18,14 +18,12 @@ cosine backward by hand on the raw inputs: for y = x / max(||x||, eps), with g =
 dx = (g - y <y, g>) / ||x|| where ||x|| >= eps, else g / eps (F.normalize's rule).
 
 A small block keeps its softmax instead: when the B x K fp32 / fp64 similarities take at most
-KEEP_SOFTMAX_BYTES (8 MiB, e.g. B = 1024 against K = 2048 columns), the forward forms them with one
-GEMM, saves P = softmax(S) and the backward's dS = g_row P + g_pos [own positive] needs two GEMMs
-per piece instead of the op's recomputation (three): the library's three GEMMs in all. The limit
-is measured (2 ranks on a 2-core CPU, D = 768, the library's MNRL = 1): B = 1024 against 2048
-columns took 0.85-1.12x kept against 0.82-1.32x recomputed (three runs each); against 8192
-columns the runs disagreed (0.61-1.10x kept, 0.88-1.03x recomputed) while keeping held 91 MiB
-instead of 27.5.
-16-bit inputs always take the recomputing path (the op accumulates in fp32).
+KEEP_SOFTMAX_BYTES (32 MiB, the CPU op's default workspace; e.g. B = 1024 against K = 8192
+columns), the forward forms them with one GEMM, saves P = softmax(S) and the backward's
+dS = g_row P + g_pos [own positive] needs two GEMMs per piece instead of the op's recomputation
+(three): the library's three GEMMs in all. Measured (2 ranks on a 2-core CPU, D = 768, steady
+state, the library's MNRL = 1): B = 1024 against 8192 columns 0.65x kept (91 MiB) against 0.98x
+recomputed (30.5 MiB). 16-bit inputs always take the recomputing path (the op accumulates in fp32).
 """
 import torch
 import torch.distributed as dist
@@ -34,7 +32,7 @@ from clipshard.ops.contrastive_lse import contrastive_lse, contrastive_lse_backw
 from clipshard.ops.inputs import accumulate_dtype
 
 _EPS = 1e-12  # F.normalize's default
-KEEP_SOFTMAX_BYTES = 8 << 20  # the largest block of similarities kept for the backward (module docstring)
+KEEP_SOFTMAX_BYTES = 32 << 20  # the largest block of similarities kept for the backward (module docstring)
 
 
 def _denominator(x):

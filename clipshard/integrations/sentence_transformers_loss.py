@@ -67,7 +67,7 @@ def ranking_loss(queries, docs, options, layout, ids=None):
     the gathered batch (single_process_layout(B) without gathering); ids: B int64 sample ids on the
     embeddings' device, or None (then options.targets is None). With query_to_doc alone and no ids
     (the default options) the normalised and gathered columns are recomputed in the backward
-    instead of kept, and a small block (up to 8 MiB of similarities) keeps its softmax
+    instead of kept, and a small block (up to 32 MiB of similarities) keeps its softmax
     (sentence_transformers_columns); the other options take the path below."""
     directions = set(options.directions)
     if ids is None and directions == {"query_to_doc"}:  # the default options: normalised and gathered

@@ -51,9 +51,9 @@ def test_columns_one_process():
 def test_only_small_fp32_or_fp64_blocks_keep_their_softmax():
     from clipshard.integrations.sentence_transformers_columns import keeps_softmax
 
-    rows = torch.empty(1024, 4)  # KEEP_SOFTMAX_BYTES: 8 MiB, 1024 x 2048 fp32 similarities
-    assert keeps_softmax(rows, 2048) and not keeps_softmax(rows, 2049)
-    assert not keeps_softmax(rows.double(), 2048) and keeps_softmax(rows.double(), 1024)
+    rows = torch.empty(1024, 4)  # KEEP_SOFTMAX_BYTES: 32 MiB, 1024 x 8192 fp32 similarities
+    assert keeps_softmax(rows, 8192) and not keeps_softmax(rows, 8193)
+    assert not keeps_softmax(rows.double(), 8192) and keeps_softmax(rows.double(), 4096)
     assert not keeps_softmax(rows.bfloat16(), 16)  # 16-bit features: the op accumulates in fp32
     assert not keeps_softmax(rows, 1, budget=0) and keeps_softmax(rows, 1, budget=4096)
 
