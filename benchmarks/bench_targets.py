@@ -124,17 +124,13 @@ def run(batch, dim, device, scale, repeats, hard_negatives_per_row=HARD_NEGATIVE
     clipshard and materialised step once, so a change of the machine's load between configurations
     moves the ratios far less than timing one configuration's repeats after another's."""
     configs = configurations(batch, dim, device, scale, hard_negatives_per_row)
-    steps = [(name, side, functools.partial(_step, loss_fn, inputs))
-             for name, _, inputs, ours, reference in configs
-             for side, loss_fn in (("clipshard", ours), ("materialised", reference))]
-    results = {}
-    for (name, _, inputs, ours, reference) in configs:
-        for side, loss_fn in (("clipshard", ours), ("materialised", reference)):
-            results[name, side] = warm_up_and_measure_memory(loss_fn, inputs, device)
-    times = {(name, side): [] for name, side, _ in steps}
+    calls = {(name, side): (loss_fn, inputs) for name, _, inputs, ours, reference in configs
+             for side, loss_fn in (("clipshard", ours), ("materialised", reference))}
+    results = {key: warm_up_and_measure_memory(loss_fn, inputs, device) for key, (loss_fn, inputs) in calls.items()}
+    times = {key: [] for key in calls}
     for round_ in range(repeats):
-        for name, side, step in steps:
-            times[name, side].append(time_call(step, device))
+        for key, (loss_fn, inputs) in calls.items():
+            times[key].append(time_call(functools.partial(_step, loss_fn, inputs), device))
         print(f"  round {round_ + 1} of {repeats} timed", file=sys.stderr, flush=True)
     rows = []
     for name, h, _, _, _ in configs:

@@ -86,8 +86,12 @@ class _QueryToDocLSE(torch.autograd.Function):
         if keeps_softmax(rows, gathered.shape[0], ctx.keep_budget):
             logits = torch.mm(rows, gathered.T).mul_(float(scale))
             pos = logits.diagonal(first_positive).clone()
-            row_lse = torch.logsumexp(logits, 1)
-            softmax = logits.sub_(row_lse[:, None]).exp_()
+            # the softmax in place (logsumexp would allocate a second B x K block)
+            peak = logits.amax(1, keepdim=True)
+            softmax = logits.sub_(peak).exp_()
+            total = softmax.sum(1, keepdim=True)
+            softmax.div_(total)
+            row_lse = total.log_().add_(peak).squeeze(1)
         else:
             scale_t = torch.tensor(float(scale), dtype=accumulate_dtype(queries.dtype), device=queries.device)
             row_lse, pos, _ = contrastive_lse(rows, gathered, scale_t, None, first_positive, False)
@@ -144,12 +148,12 @@ def keeps_softmax(rows, columns, budget=None):
 
 
 def _kept_softmax_backward(softmax, g_row, g_pos, with_positives, rows, piece, scale):
-    """(d rows, d piece) of one piece from its saved softmax P (B x piece rows):
-    dS = g_row P + g_pos at the positives (column i of the own first piece), times scale."""
-    d_logits = softmax * g_row[:, None]
+    """(d rows, d piece) of one piece from its saved softmax P (B x piece rows), with the logits'
+    scale folded into the upstream gradients: scale dS = (scale g_row) P + scale g_pos at the
+    positives (column i of the own first piece)."""
+    d_logits = softmax * (g_row * float(scale))[:, None]
     if with_positives:
-        d_logits.diagonal().add_(g_pos)
-    d_logits.mul_(float(scale))
+        d_logits.diagonal().add_(g_pos, alpha=float(scale))
     return d_logits @ piece, d_logits.T @ rows
 
 
