@@ -22,7 +22,7 @@ KEEP_SOFTMAX_BYTES (32 MiB, the CPU op's default workspace; e.g. B = 1024 agains
 columns), the forward forms them with one GEMM, saves P = softmax(S) and the backward's
 dS = g_row P + g_pos [own positive] needs two GEMMs per piece instead of the op's recomputation
 (three): the library's three GEMMs in all. Measured (2 ranks on a 2-core CPU, D = 768, steady
-state, the library's MNRL = 1): B = 1024 against 8192 columns 0.65x kept (91 MiB) against 0.98x
+state, the library's MNRL = 1): B = 1024 against 8192 columns 0.65x-0.76x kept (63 MiB) against 0.98x
 recomputed (30.5 MiB). 16-bit inputs always take the recomputing path (the op accumulates in fp32).
 """
 import torch
