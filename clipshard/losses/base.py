@@ -237,13 +237,12 @@ def requires_grad_bits(tensors):
     return sum(int(grad_mode and t is not None and t.requires_grad) << k for k, t in enumerate(tensors))
 
 
-# The features and logit scalars of every loss, and every problem they can have, numbered for the
-# other ranks (0: none; the last code is a loss's own problem, described by the loss).
+# The features and logit scalars of every loss, and every problem they can have, numbered (0: none;
+# the last code is a loss's own problem); the other ranks get the bad rank's message itself.
 FEATURES = FeaturePair(("image_features", "text_features"), ("batch x dim", "batch x dim"), same_shape=True)
 SCALE, BIAS = LossScalar("logit_scale"), LossScalar("logit_bias", optional=True)
 _RULES = FEATURES.rules() + SCALE.rules() + BIAS.rules() + _ExtraRules.rules()
 _OWN_PROBLEM = len(_RULES) + 1
-_DESCRIBE = dict(enumerate(_RULES, 1))  # what the other ranks say about a problem code
 
 # The Extras' fields: presence of sample_ids, targets (resolved), direction, presence of
 # hard_negatives, their count H_r (may differ per rank), feature size and dtype.
@@ -287,20 +286,19 @@ def shard_layout(fn, image, text, scale, bias, group, options, *, rank_arg=None,
     ShardLayout. scale and bias are tensors already (as_scalar_tensor). rank_arg / world_size_arg
     are open_clip's constructor arguments, checked against the group when given.
     same_scale_and_bias=True requires every rank to hold the same logit_scale and logit_bias values
-    (mixes_ranks_scales). own_problem: (description for the other ranks, Problem or None), a
-    problem the loss found in inputs of its own (the distillation loss's teachers). extras: the
+    (mixes_ranks_scales). own_problem: None or the Problem the loss found in inputs of its own
+    (the distillation loss's teachers). extras: the
     Extras (sample_ids, targets, hard_negatives, direction): validated on every rank; presence,
     targets, direction and the hard negatives' D and dtype must agree; the layout's
     negative_sizes are every rank's H_r (its negatives_layout() gathers them)."""
     problem = input_problem(image, text, scale, bias, extras)
     code = _RULES.index(problem.rule) + 1 if problem else 0
-    if problem is None and own_problem is not None and own_problem[1] is not None:
-        problem, code = own_problem[1], _OWN_PROBLEM
+    if problem is None and own_problem is not None:
+        problem, code = own_problem, _OWN_PROBLEM
     if group is None:
         if problem is not None:
             problem.raise_for(fn)
         return _with_negatives(single_process_layout(image.shape[0]), extras)
-    describe = _DESCRIBE if own_problem is None else {**_DESCRIBE, _OWN_PROBLEM: own_problem[0]}
     if problem is not None:
         fields = [0] * len(FIELDS)
     else:
@@ -310,7 +308,7 @@ def shard_layout(fn, image, text, scale, bias, group, options, *, rank_arg=None,
                   -1 if world_size_arg is None else world_size_arg, DTYPE_CODES[scale.dtype],
                   -1 if bias is None else DTYPE_CODES[bias.dtype], *_extra_fields(extras)]
     table, values = exchange_rows(fn, group, fields, (scale, bias) if problem is None else (None, None),
-                                  None if problem is None else (problem.error, code, problem.message), describe)
+                                  None if problem is None else (problem.error, code, problem.message))
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     column = {name: [row[k] for row in table] for k, name in enumerate(FIELDS)}
     for q, (given_rank, given_size) in enumerate(zip(column["rank_arg"], column["world_size_arg"])):

@@ -15,10 +15,6 @@ def _as_list(value):
     return list(value) if isinstance(value, (list, tuple)) else [value]
 
 
-# What the other ranks are told when one rank's teachers are bad (its own error says which).
-_TEACHER_PROBLEM = "dist_image_features, dist_text_features or dist_logit_scale is invalid (its error says which)"
-
-
 def _teacher_problem(image, teacher_images, teacher_texts, teacher_scales):
     """The first Problem with the teachers' inputs (the student's are valid), or None."""
     if not (len(teacher_images) == len(teacher_texts) == len(teacher_scales)) or not teacher_images:
@@ -160,7 +156,7 @@ class DistillClipLoss(torch.nn.Module):
         layout = base.shard_layout(
             fn, image_features, text_features, scale, None, group, options,
             rank_arg=self.rank if explicit else None, world_size_arg=self.world_size if explicit else None,
-            same_scale_and_bias=mixes, own_problem=(_TEACHER_PROBLEM, teacher_problem))
+            same_scale_and_bias=mixes, own_problem=teacher_problem)
         if group is not None:  # the teachers must agree across ranks too (their count does already)
             _check_teachers_agree(fn, group, images, texts, scales, mixes)
         stack = _stack_after_softmax if self.average_after_softmax else _stack_logit_mean

@@ -19,14 +19,14 @@ from clipshard.parallel.layout import metadata_device
 _NAN_BITS = struct.unpack("<q", struct.pack("<d", math.nan))[0]
 
 
-def exchange_rows(fn, group, fields, values, problem=None, describe=None):
+def exchange_rows(fn, group, fields, values, problem=None):
     """Every rank's (fields, values), in rank order, after raising on every rank if any rank has a
     problem.
 
     fields: ints, values: 0-dim floating-point tensors or None; their counts must be the same on
     every rank (a rank with a problem still sends placeholders). problem: None or (exception
     class, code >= 1, message): the rank that has it raises `message`, the others a ValueError
-    naming that rank and describe[code] (or pointing to its error when describe has no entry).
+    naming that rank and carrying the same message (what that rank expected and what it got).
     Returns (list of field lists, list of value lists as Python floats).
     """
     code = 0 if problem is None else problem[1]
@@ -46,19 +46,36 @@ def exchange_rows(fn, group, fields, values, problem=None, describe=None):
     all_gather_single(everyone, mine, group=group)
     everyone = everyone.view(world_size, -1).cpu()  # one copy to the host
     table = everyone[:, : 1 + len(fields)].tolist()
-    _raise_first(fn, [row[0] for row in table], rank, problem, describe)
+    _raise_first(fn, group, device, [row[0] for row in table], rank, problem)
     floats = everyone[:, 1 + len(fields):].contiguous().view(torch.float64).tolist()
     return [row[1:] for row in table], floats
 
 
-def _raise_first(fn, codes, rank, problem, describe):
-    for q, code in enumerate(codes):
-        if not code:
-            continue
-        if q == rank:
-            raise problem[0](f"{fn}: {problem[2]} (on rank {q})")
-        what = (describe or {}).get(code)
-        raise ValueError(f"{fn}: rank {q} has invalid inputs" + (f": {what}" if what else " (its error says which)"))
+def _raise_first(fn, group, device, codes, rank, problem):
+    """Raises on every rank if a rank has a problem: the first such rank its own error, the others
+    a ValueError naming that rank and quoting its message (one broadcast, only when a rank has one)."""
+    bad = next((q for q, code in enumerate(codes) if code), None)
+    if bad is None:
+        return
+    message = _broadcast_message(group, device, bad, problem[2] if bad == rank else "")
+    if bad == rank:
+        raise problem[0](f"{fn}: {message} (on rank {bad})")
+    raise ValueError(f"{fn}: rank {bad} has invalid inputs: {message}")
+
+
+_MESSAGE_BYTES = 4096  # a longer message arrives cut, ending in "..."
+
+
+def _broadcast_message(group, device, source, message):
+    """`message` of rank `source` of `group` (UTF-8, at most _MESSAGE_BYTES) on every rank."""
+    data = message.encode()
+    if len(data) > _MESSAGE_BYTES:
+        data = data[: _MESSAGE_BYTES - 3] + b"..."
+    buffer = torch.zeros(_MESSAGE_BYTES, dtype=torch.uint8)
+    buffer[: len(data)] = torch.tensor(list(data), dtype=torch.uint8)
+    buffer = buffer.to(device)
+    dist.broadcast(buffer, group_src=source, group=group)
+    return bytes(buffer.cpu().tolist()).rstrip(b"\0").decode(errors="replace")
 
 
 def raise_on_every_rank(fn, problem, group):

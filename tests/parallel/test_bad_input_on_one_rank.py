@@ -108,7 +108,64 @@ def test_the_error_names_the_problem_and_the_rank():
 
     messages = run_group(run, 2, timeout=60)
     assert "logit_scale must be a fp32, fp16, bf16 or fp64 tensor, got torch.int64 (on rank 1)" in messages[1]
-    assert "rank 1 has invalid inputs: logit_scale must be a fp32, fp16, bf16 or fp64 tensor" in messages[0]
+    assert "rank 1 has invalid inputs: logit_scale must be a fp32, fp16, bf16 or fp64 tensor, got torch.int64" \
+        in messages[0]
+
+
+def _every_loss(rank, image, text, teacher, ids=None):
+    """Each loss and mode on (image, text), by name."""
+    extras = {} if ids is None else {"sample_ids": ids}
+    return {
+        "ClipLoss exchange": lambda: clipshard.ClipLoss(True, True, rank=rank, world_size=2)(image, text, 10.0, **extras),
+        "ClipLoss local": lambda: clipshard.ClipLoss(True, False, rank=rank, world_size=2)(image, text, 10.0, **extras),
+        "ClipLoss ring": lambda: clipshard.ClipLoss(True, True, rank=rank, world_size=2, mode="ring")(
+            image, text, 10.0, **extras),
+        "SigLipLoss gather": lambda: clipshard.SigLipLoss(rank=rank, world_size=2)(image, text, 10.0, -1.0, **extras),
+        "SigLipLoss ring": lambda: clipshard.SigLipLoss(rank=rank, world_size=2, mode="ring")(
+            image, text, 10.0, -1.0, **extras),
+        "DistillClipLoss": lambda: clipshard.DistillClipLoss(True, True, rank=rank, world_size=2)(
+            image, text, 10.0, *teacher, 20.0),
+    }
+
+
+def _what_rank_1_passed(rank, world_size):
+    """Issue 40 item 8: per (case, loss), the message of each rank when rank 1 passes something bad."""
+    messages = {}
+    for case in ("int64 features", "sample_ids of the wrong length", "teacher of another batch"):
+        image, text = _features(rank)
+        teacher, ids = (image, text), None
+        if case == "int64 features" and rank == 1:
+            image, text = image.long(), text.long()
+        elif case == "sample_ids of the wrong length":
+            ids = torch.arange(4 * rank, 4 * rank + (3 if rank == 1 else 4))
+        elif case == "teacher of another batch" and rank == 1:
+            teacher = (image[:3], text[:3])
+        for name, call in _every_loss(rank, image, text, teacher, ids).items():
+            if case == "sample_ids of the wrong length" and name == "DistillClipLoss":
+                continue  # it takes no sample_ids
+            if case == "teacher of another batch" and name != "DistillClipLoss":
+                continue
+            with pytest.raises((TypeError, ValueError)) as error:
+                call()
+            messages[case, name] = str(error.value)
+    return messages
+
+
+# what rank 1 passed, as every rank's message must name it
+PASSED = {"int64 features": "got torch.int64",
+          "sample_ids of the wrong length": "got a 1-D torch.int64 tensor of shape (3,)",
+          "teacher of another batch": "must be the student's (4 rows), got 3"}
+
+
+def test_the_other_ranks_say_what_the_bad_rank_passed():
+    """Issue 40 item 8: rank 0's message quotes rank 1's (int64 features on SigLipLoss's ring named
+    only the rule, not int64), for every loss and mode."""
+    messages = run_group(_what_rank_1_passed, 2, timeout=120)
+    for (case, name), own in messages[1].items():
+        other = messages[0][case, name]
+        assert PASSED[case] in own and "(on rank 1)" in own, (case, name, own)
+        assert "rank 1 has invalid inputs: " in other and PASSED[case] in other, (case, name, other)
+        assert own.split(": ", 1)[1].removesuffix(" (on rank 1)") in other, (case, name, own, other)
 
 
 def test_mismatched_dtypes_name_every_rank():
