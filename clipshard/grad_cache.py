@@ -278,7 +278,7 @@ class _Step:
             return summed
         found = torch.autograd.grad(tensors, cache.parameters, grads, allow_unused=True) \
             if tensors and cache.parameters else [None] * len(cache.parameters)
-        return found if summed is None else [_add(a, b) for a, b in zip(summed, found)]
+        return list(found) if summed is None else [_add(a, b) for a, b in zip(summed, found)]
 
     def _replay_negatives(self, grad_output, summed):
         """The hard negatives' re-runs through encode_text (before the model's, whose last one

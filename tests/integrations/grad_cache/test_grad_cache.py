@@ -256,14 +256,16 @@ def _reads_the_models_scale(model):
         image_features, text_features, 1.5 * model.logit_scale.exp())
 
 
-@pytest.mark.parametrize("loss_kind,as_tuple,parameters_mode", [
-    ("module", False, False), ("module", True, False), ("module", False, True),
-    ("closure over the model", False, False), ("closure over the model", False, True)])
-def test_loss_fn_parameters_get_the_plain_step_gradients(loss_kind, as_tuple, parameters_mode):
+@pytest.mark.parametrize("loss_kind,as_tuple,parameters_mode,micro", [
+    ("module", False, False, 5), ("module", True, False, 5), ("module", False, True, 5), ("module", False, True, M),
+    ("module", False, True, M + 1), ("closure over the model", False, False, 5),
+    ("closure over the model", False, True, 5)])
+def test_loss_fn_parameters_get_the_plain_step_gradients(loss_kind, as_tuple, parameters_mode, micro):
     """loss_fn's own parameters (a module's head and temperature, or the model's logit_scale read by a
     closure) get the plain step's gradient, fp64 within 1e-10, with dropout, odd micro-batches and an
     upstream gradient of 0.5 / M; the model's gradients too (in `parameters` mode the two parts of
-    logit_scale's gradient are summed in one slot)."""
+    logit_scale's gradient are summed in one slot). One micro-batch (m = M, m > M) in `parameters`
+    mode raised "can only concatenate tuple (not "list") to tuple" (issue 40 item 7)."""
     images, tokens = batch(M, 12)
     upstream = 0.5 / M
     results = []
@@ -273,9 +275,9 @@ def test_loss_fn_parameters_get_the_plain_step_gradients(loss_kind, as_tuple, pa
         loss_fn = LearnedLoss(clipshard.ClipLoss()) if loss_kind == "module" else _reads_the_models_scale(model)
         if cached:
             parameters = model.parameters() if parameters_mode else None
-            (clipshard.GradCache(model, loss_fn, 5, parameters=parameters)(images, tokens) * upstream).backward()
+            (clipshard.GradCache(model, loss_fn, micro, parameters=parameters)(images, tokens) * upstream).backward()
         else:
-            plain_step(model, loss_fn, images, tokens, 5, upstream)
+            plain_step(model, loss_fn, images, tokens, micro, upstream)
         loss_grads = grads(loss_fn) if loss_kind == "module" else {}
         results.append(({**grads(model), **{f"loss.{k}": v for k, v in loss_grads.items()}}))
     ours, reference = results
@@ -283,7 +285,7 @@ def test_loss_fn_parameters_get_the_plain_step_gradients(loss_kind, as_tuple, pa
     assert {k.removeprefix("loss.") for k in reference if k.startswith("loss.")} == expected
     assert "logit_scale" in reference
     difference = max_relative_difference(ours, reference)
-    print(f"  {loss_kind}, tuple {as_tuple}, parameters mode {parameters_mode}: {difference:.3g}")
+    print(f"  {loss_kind}, tuple {as_tuple}, parameters mode {parameters_mode}, m = {micro}: {difference:.3g}")
     assert difference <= 1e-10
 
 
