@@ -203,18 +203,30 @@ def training_batch_norms(model):
             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.training]
 
 
-def _process_group(model):
-    """The group a DDP / FSDP2 model synchronises over; None for a model on one process."""
+def check_group(model, loss_fn):
+    """The process group whose ranks call GradCache together, over which its own checks raise on
+    every rank; None for a single process. A DDP or FSDP model's process group, the world group for
+    FSDP2; for any other model (a plain module under DeepSpeed or a hand-written all-reduce, FSDP
+    units inside a plain module, a function) the group loss_fn names as its `group` attribute
+    (clipshard's losses), else the world group: the loss's collectives run over it, so a rank that
+    raised alone would leave the others waiting there."""
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return None
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         return model.process_group
-    return torch.distributed.group.WORLD if _fsdp_modules(model) else None
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    if isinstance(model, FullyShardedDataParallel):
+        return model.process_group
+    group = getattr(loss_fn, "group", None)
+    if isinstance(group, torch.distributed.ProcessGroup) and not _fsdp_modules(model):
+        return group
+    return torch.distributed.group.WORLD
 
 
-def raise_on_every_rank(model, error):
+def raise_on_every_rank(group, error):
     """Raises `error` (an exception made here, its message starting with FN, or None) here and an
-    error naming this rank on every other rank of the model's group, so that one rank's bad input
-    never leaves the others waiting in a collective (clipshard.parallel.agreement.raise_on_every_rank)."""
+    error naming this rank and quoting its message on every other rank of `group` (check_group), so
+    that one rank's bad input never leaves the others waiting in a collective
+    (clipshard.parallel.agreement.raise_on_every_rank)."""
     problem = None if error is None else (type(error), str(error).removeprefix(f"{FN}: "))
-    agreement.raise_on_every_rank(FN, problem, _process_group(model))
+    agreement.raise_on_every_rank(FN, problem, group)

@@ -92,16 +92,19 @@ class GradCache:
         hard_negative_texts: None or H texts (a tensor or dict / tuple of tensors, like `texts`; H may
         be 0), run through encode_text in micro-batches; loss_fn gets their H x D features as
         hard_negatives=."""
-        mb.raise_on_every_rank(self.model, self._input_error(images, texts, sample_ids, hard_negative_texts))
+        group = mb.check_group(self.model, self.loss_fn)
+        mb.raise_on_every_rank(group, self._input_error(images, texts, sample_ids, hard_negative_texts))
         pieces = list(zip(mb.split(images, self.micro_batch_size), mb.split(texts, self.micro_batch_size)))
         negatives = [] if hard_negative_texts is None else mb.split(hard_negative_texts, self.micro_batch_size)
         keywords = {} if sample_ids is None else {"sample_ids": sample_ids}
         if not torch.is_grad_enabled():
-            outputs = [mb.Outputs(self.model(*piece), _rows(piece)) for piece in pieces]
+            outputs = [self.model(*piece) for piece in pieces]
+            features = [self.encode_text(piece) for piece in negatives]
+            outputs, features = _read_first_pass(group, pieces, outputs, negatives, features)
             if negatives:
-                keywords["hard_negatives"] = torch.cat([self._negative_features(p) for p in negatives])
+                keywords["hard_negatives"] = torch.cat(features)
             return _total(outputs[0].call(self.loss_fn, _concatenated(outputs), keywords))
-        step = _Step(self, pieces, negatives, keywords)
+        step = _Step(self, group, pieces, negatives, keywords)
         anchor = torch.zeros((), device=step.loss.device, requires_grad=True)
         return _ReplayInBackward.apply(step, step.loss, anchor, *step.inputs)
 
@@ -178,6 +181,20 @@ def _rows(piece):
     return mb.batch_size(*piece)
 
 
+def _read_first_pass(group, pieces, outputs, negatives, features):
+    """The model's outputs per micro-batch as mb.Outputs and encode_text's features per micro-batch
+    of hard negatives, checked; a problem raises on every rank of `group` before loss_fn runs (the
+    model has run on every micro-batch by then, as on the other ranks: FSDP1's forward gathers)."""
+    try:
+        outputs = [mb.Outputs(output, _rows(piece)) for output, piece in zip(outputs, pieces)]
+        features = [mb.negative_features(f, mb.negative_count(piece)) for f, piece in zip(features, negatives)]
+        error = None
+    except ValueError as problem:
+        error = problem
+    mb.raise_on_every_rank(group, error)
+    return outputs, features
+
+
 def _total(loss):
     """A loss_fn result as one scalar: a dict of terms (open_clip's output_dict) is summed."""
     if isinstance(loss, dict):
@@ -201,19 +218,20 @@ class _Step:
     """One call's first pass (the loss and its gradients with respect to the model's outputs) and
     what its re-runs need."""
 
-    def __init__(self, cache, pieces, negatives, keywords):
+    def __init__(self, cache, group, pieces, negatives, keywords):
         self.cache, self.pieces, self.negatives = cache, pieces, negatives
         self.autocast = mb.autocast_state()
         self.random_states, outputs = [], []
         for piece in pieces:
             self.random_states.append(mb.RandomState())
             with torch.no_grad():
-                outputs.append(mb.Outputs(cache.model(*piece), _rows(piece)))
+                outputs.append(cache.model(*piece))
         self.negative_states, negative_features = [], []
         for piece in negatives:
             self.negative_states.append(mb.RandomState())
             with torch.no_grad():
-                negative_features.append(cache._negative_features(piece))
+                negative_features.append(cache.encode_text(piece))
+        outputs, negative_features = _read_first_pass(group, pieces, outputs, negatives, negative_features)
         self.layout = outputs[0]
         values = _concatenated(outputs)
         leaves = {k: values[k].detach().requires_grad_(values[k].is_floating_point())

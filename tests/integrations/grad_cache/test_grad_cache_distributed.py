@@ -3,10 +3,11 @@ whole local batch through DDP, the loss, backward), fp64 within 1e-10 relative a
 1e-5, for ClipLoss in exchange, local and ring modes and SigLipLoss (gather and ring), with unequal
 local batches (so ranks run different numbers of micro-batches); DDP's gradient reduction runs as
 often as in the plain step (once per bucket per step); a bad input on one rank raises on every
-rank without waiting for a collective's timeout. On 2 ranks the same with FSDP2 (fully_shard'ed
+rank without waiting for a collective's timeout, with DDP and with a plain module. On 2 ranks the same with FSDP2 (fully_shard'ed
 towers) against the plain FSDP2 step. One process group per world size runs every case. A loss with
 parameters of its own through DDP gives them the plain DDP step's (local) gradients; a loss that
 reads the DDP model's own parameters is refused on every rank."""
+import datetime
 import io
 import time
 
@@ -67,17 +68,50 @@ def _ddp_cases(rank, world_size):
     return out
 
 
-def _bad_input_on_rank_1(rank, world_size):
-    ddp = torch.nn.parallel.DistributedDataParallel(TinyClip(with_bias=False))
+SHORT_TIMEOUT_S = 5  # the plain-module cases' loss group: a rank left waiting fails within seconds
+
+
+def _bad_input_cases(rank, world_size):
+    """(name, call) of each bad input on rank 1: under DDP, and (issue 40 item 1) with a plain module
+    (FSDP1, DeepSpeed or a hand-written all-reduce leave the model one), whose ranks GradCache learns
+    from the loss's group (the ClipLoss) or takes as the world group (a loss function naming none);
+    the losses gather over a group with a short timeout, so a rank left waiting there fails fast."""
+    short = dist.new_group(timeout=datetime.timedelta(seconds=SHORT_TIMEOUT_S))
     images, tokens = batch(8, rank)
-    if rank == 1:
-        tokens = tokens[:-1]
-    start = time.monotonic()
-    try:
-        clipshard.GradCache(ddp, clipshard.ClipLoss(rank=rank, world_size=world_size), MICRO)(images, tokens)
-    except ValueError as error:
-        return str(error), time.monotonic() - start
-    return None, time.monotonic() - start
+    bad = rank == 1
+    ids = torch.arange(8 * rank, 8 * rank + (7 if bad else 8))
+    clip_loss = clipshard.ClipLoss(rank=rank, world_size=world_size, group=short)
+
+    def loss_function(**outputs):  # no group attribute: GradCache checks over the world group
+        return clip_loss(**outputs)
+
+    def short_output_on_rank_1(images, tokens):
+        output = TinyClip(with_bias=False)(images, tokens)
+        return {**output, "image_features": output["image_features"][:-1]} if bad else output
+
+    ddp = torch.nn.parallel.DistributedDataParallel(TinyClip(with_bias=False))
+    yield "DDP, texts of another batch size", lambda: clipshard.GradCache(
+        ddp, clipshard.ClipLoss(rank=rank, world_size=world_size), MICRO)(images, tokens[:-1] if bad else tokens)
+    yield "plain module, sample_ids of the wrong length", lambda: clipshard.GradCache(
+        TinyClip(with_bias=False), clip_loss, MICRO)(images, tokens, sample_ids=ids)
+    yield "plain module and loss function, sample_ids of the wrong length", lambda: clipshard.GradCache(
+        TinyClip(with_bias=False), loss_function, MICRO)(images, tokens, sample_ids=ids)
+    yield "plain module, an output of the wrong length", lambda: clipshard.GradCache(
+        short_output_on_rank_1, clip_loss, MICRO)(images, tokens)
+
+
+def _bad_input_on_rank_1(rank, world_size):
+    """Per case: (this rank's error message or None, seconds taken)."""
+    out = {}
+    for name, call in _bad_input_cases(rank, world_size):
+        start = time.monotonic()
+        try:
+            call()
+            message = None
+        except Exception as error:  # noqa: BLE001 (a collective's timeout is a failure to report)
+            message = f"{type(error).__name__}: {error}"
+        out[name] = message, time.monotonic() - start
+    return out
 
 
 def _fsdp2(model, world_size):
@@ -144,14 +178,29 @@ def test_ddp_gradients_equal_the_plain_ddp_step_and_are_reduced_once(world_size)
     print(f"  {world_size} ranks: {worst}")
 
 
+# what rank 1's own error says, per case; the other ranks' must say "rank 1 has invalid inputs: " and quote it
+RANK_1_SAYS = {
+    "DDP, texts of another batch size": "same batch size (first dimension), got 8 rows in images and 7 in texts",
+    "plain module, sample_ids of the wrong length": "sample_ids must be a 1-D int64 tensor with one id per pair "
+                                                    "(8), got torch.int64 of shape (7,)",
+    "plain module and loss function, sample_ids of the wrong length": "got torch.int64 of shape (7,)",
+    "plain module, an output of the wrong length": "the model's output 'image_features' must have one row per "
+                                                   "sample (3 in this micro-batch), got shape (2, 8)",
+}
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_bad_input_on_one_rank_raises_on_every_rank(world_size):
+    """Every rank raises GradCache's ValueError, naming rank 1 and what it passed, well within the
+    loss group's timeout (issue 40 items 1 and 8: with a plain module the other ranks waited in the
+    loss's collective)."""
     results = _results(world_size)
     for rank, out in enumerate(results):
-        message, seconds = out["bad"]
-        expected = "same batch size" if rank == 1 else "rank 1 has invalid inputs"
-        assert message is not None and expected in message, (rank, message)
-        assert seconds < 10  # no collective waited for its timeout
+        for name, says in RANK_1_SAYS.items():
+            message, seconds = out["bad"][name]
+            assert message is not None and message.startswith("ValueError: GradCache: "), (rank, name, message)
+            assert says in message and ("rank 1 has invalid inputs: " in message) == (rank != 1), (rank, name, message)
+            assert seconds < SHORT_TIMEOUT_S, (rank, name, seconds)  # no collective waited for its timeout
 
 
 def test_fsdp2_gradients_equal_the_plain_fsdp2_step():
