@@ -242,8 +242,11 @@ def apply_to_transformers(*, logits=True, micro_batch_size=None):
             replaced[entry.name] = entry.family
     if replaced:
         TRANSFORMERS.warn_if_newer_than_tested(_FN, transformers)
-    for cls, forward in originals.items():
-        cls.forward = _with_global_loss(forward, models.covered_entry(cls), logits, micro_batch_size)
+    # every replacement is built before any class changes: an error leaves every class as it was
+    forwards = {cls: _with_global_loss(forward, models.covered_entry(cls), logits, micro_batch_size)
+                for cls, forward in originals.items()}
+    for cls, forward in forwards.items():
+        cls.forward = forward
     _active = TransformersPatch(replaced=replaced, kept=models.NOT_COVERED, logits=logits, originals=originals,
                                 rejected=rejected, absent=tuple(absent), micro_batch_size=micro_batch_size)
     _LOG.info("clipshard: %s", _active.summary())
