@@ -3,8 +3,9 @@ fields, then fp64 values) in one all-gather, and every rank checks all rows with
 that a problem on one rank, or ranks that disagree, raise the same error on every rank instead of
 leaving some of them waiting in a collective.
 
-The caller owns the row: what each field and value means, what each problem code is called, and
-what a message says about a disagreement; this module only moves and compares numbers.
+The caller owns the row: what each field and value means, what a problem's message says, and
+what a message says about a disagreement; this module only moves and compares numbers, and, when a
+rank has a problem, that rank's message (so that every rank's error says what it passed).
 """
 import math
 import struct
@@ -59,7 +60,7 @@ def _raise_first(fn, group, device, codes, rank, problem):
         return
     message = _broadcast_message(group, device, bad, problem[2] if bad == rank else "")
     if bad == rank:
-        raise problem[0](f"{fn}: {message} (on rank {bad})")
+        raise problem[0](f"{fn}: {problem[2]} (on rank {bad})")
     raise ValueError(f"{fn}: rank {bad} has invalid inputs: {message}")
 
 
