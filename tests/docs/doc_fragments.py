@@ -76,7 +76,7 @@ def clipshard_loss():
 
 def sentence_transformers():
     """MultipleNegativesRankingLoss and a model for it (the loss only keeps the model here)."""
-    from sentence_transformers.losses import MultipleNegativesRankingLoss
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
     return dict(MultipleNegativesRankingLoss=MultipleNegativesRankingLoss,
                 model=nn.Sequential(nn.Identity()))
 
