@@ -12,9 +12,11 @@ import builtins
 import dataclasses
 import pathlib
 import re
+import textwrap
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 NOT_RUN = ("signature", "needs-gpu", "torchrun")
+_PYTHON_FENCES = ("```python", "```py", "```python3")
 _MARKER = re.compile(r"^<!--\s*doc-test:\s*(.*?)\s*-->\s*$")
 
 
@@ -39,17 +41,21 @@ def pages():
 
 
 def python_blocks(page):
-    """Every ```python block of `page` with its marker's words."""
+    """Every ```python (or ```py) block of `page`, also one indented in a list, with its marker's words."""
     lines = page.read_text().splitlines()
+    where = str(page.relative_to(ROOT)) if page.is_relative_to(ROOT) else str(page)
     blocks, index = [], 0
     while index < len(lines):
-        if lines[index].strip() == "```python":
+        if lines[index].strip() in _PYTHON_FENCES:
             start = index
-            end = next(i for i in range(start + 1, len(lines)) if lines[i].strip() == "```")
+            end = next((i for i in range(start + 1, len(lines)) if lines[i].strip() == "```"), None)
+            if end is None:
+                raise ValueError(f"{where}:{start + 1}: a ```python block without its closing fence")
             before = next((lines[i] for i in range(start - 1, -1, -1) if lines[i].strip()), "")
             found = _MARKER.match(before.strip())
             words = tuple(w.strip() for w in found.group(1).split(",")) if found else ()
-            blocks.append(Block(str(page.relative_to(ROOT)), start + 1, "\n".join(lines[start + 1:end]), words))
+            code = textwrap.dedent("\n".join(lines[start + 1:end]))
+            blocks.append(Block(where, start + 1, code, words))
             index = end
         index += 1
     return blocks

@@ -67,3 +67,18 @@ def test_the_block_runs(block):
         exec(compile(block.code, block.where, "exec"), namespace)
     finally:
         _undo_patches(namespace)
+
+
+def test_the_parser_reads_markers_and_indented_blocks_and_finds_unbound_names(tmp_path):
+    from tests.docs.doc_blocks import python_blocks
+    page = tmp_path / "page.md"
+    page.write_text("Text.\n\n<!-- doc-test: torchrun, model -->\n```python\nmain(sys.argv[1:])\n```\n\n"
+                    "- a list item:\n\n  ```python\n  y = clipshard.stochastic_round(x)\n  ```\n")
+    first, second = python_blocks(page)
+    assert (first.words, first.line, first.runs) == (("torchrun", "model"), 4, False)
+    assert free_names(first.code) == {"main", "sys"}
+    assert (second.words, second.code, second.runs) == ((), "y = clipshard.stochastic_round(x)", True)
+    assert clipshard_names(second.code) == ["clipshard.stochastic_round"]
+    page.write_text("```python\nx = 1\n")
+    with pytest.raises(ValueError, match="without its closing fence"):
+        python_blocks(page)

@@ -19,12 +19,12 @@ _DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 def test_no_count_that_goes_stale(page):
     """A count of tests / lines / files / checks is stale after the next commit; only a dated record
     of a run (a line with its date) may quote one."""
-    stale = [f"{page.name}:{number}: {line.strip()[:120]}" for number, line in enumerate(page.read_text().splitlines(), 1)
+    lines = enumerate(page.read_text().splitlines(), 1)
+    stale = [f"{page.name}:{number}: {line.strip()[:120]}" for number, line in lines
              if _COUNT.search(line) and not _DATE.search(line)]
     assert stale == []
 
 
-_FIGURE = re.compile(r"(\d[\d,]*(?:\.\d+)?) ?(ms|s|MiB)\b")
 _TO_BASE = {"ms": ("s", 1e-3), "s": ("s", 1.0), "MiB": ("MiB", 1.0)}
 
 
@@ -35,7 +35,8 @@ def _figures(text):
         unit, scale = _TO_BASE[match.group(3)]
         for number in [match.group(1)] + re.findall(r"\d[\d,]*(?:\.\d+)?", match.group(2)):
             decimals = len(number.split(".")[1]) if "." in number else 0
-            found.append((float(number.replace(",", "")) * scale, unit, decimals + (3 if match.group(3) == "ms" else 0)))
+            decimals += 3 if match.group(3) == "ms" else 0
+            found.append((float(number.replace(",", "")) * scale, unit, decimals))
     return found
 
 
@@ -56,15 +57,19 @@ def test_readme_results_figures_are_on_the_page_they_name(row):
     assert named, f"the row must name the docs page of its figures: {cells[0]}"
     on_page = [f for page in named for f in _figures((ROOT / page).read_text())]
     # a table whose header gives the unit holds bare numbers: taken as seconds or MiB alike
-    on_page += [(float(n.replace(",", "")), unit, 0) for page in named for line in (ROOT / page).read_text().splitlines()
-                if line.startswith("|") for n in re.findall(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?![\w.])", line)
-                for unit in ("s", "MiB")]
+    table_lines = [line for page in named for line in (ROOT / page).read_text().splitlines() if line.startswith("|")]
+    on_page += [(float(n.replace(",", "")), unit, 0) for line in table_lines
+                for n in re.findall(r"(?<![\w.])\d[\d,]*(?:\.\d+)?(?![\w.])", line) for unit in ("s", "MiB")]
     missing = []
     for value, unit, decimals in _figures(" | ".join(cells[1:])):
         step = 10.0 ** -decimals
         if not any(u == unit and abs(v - value) <= step / 2 + 1e-9 * max(1.0, value) for v, u, _ in on_page):
             missing.append(f"{value:g} {unit}")
     assert missing == [], f"{named}: {missing}"
+
+
+_COMPILED_FOR = re.compile(r"\b(?:compiles?|compiled)(?: them| it)? (?:for )?\(?"
+                           r"(sm_\d+(?:(?:,| and| plus|,? and) sm_\d+)*)")
 
 
 def _build_archs():
@@ -80,8 +85,7 @@ def test_statements_of_the_compiled_architectures_list_the_builds(page):
     archs, wrong = _build_archs(), []
     for paragraph in page.read_text().split("\n\n"):
         flat = " ".join(paragraph.split())
-        for match in re.finditer(r"\b(?:compiles?|compiled)(?: them| it)? (?:for )?\(?(sm_\d+(?:(?:,| and| plus|,? and) sm_\d+)*)",
-                                 flat):
+        for match in _COMPILED_FOR.finditer(flat):
             named = set(re.findall(r"sm_\d+", match.group(1)))
             if named != archs:
                 wrong.append(f"{match.group(0)[:80]} (the build: {sorted(archs)})")
