@@ -262,7 +262,7 @@ def test_an_adamw_kernel_that_rounds_to_nearest_fails_on_its_known_answers():
 # --- refused variables and checking nothing -----------------------------------------------------
 
 @pytest.mark.parametrize("variable,value,accepted,blocked", [
-    ("CLIPSHARD_ALGORITHM", "bogus", "it must be 'torch' or 'auto' (or unset)", None),  # read in Python
+    ("CLIPSHARD_ALGORITHM", "bogus", "it must be one of auto, torch (or unset)", None),  # read in Python
     ("CLIPSHARD_ADDMM_FP32_ACCUMULATOR", "maybe", "it must be one of 1, true, on, yes, 0, false, off, no (or unset)",
      "contrastive_lse chunked addmm on cpu"),  # read by the extension (csrc/env_vars.h)
 ])

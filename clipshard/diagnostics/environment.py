@@ -13,17 +13,9 @@ import torch
 
 import clipshard
 from clipshard import _C
-from clipshard.ops import explain_auto, has_compiled_kernel
+from clipshard.ops import env_vars, explain_auto, has_compiled_kernel
 
-# The environment variables that change what clipshard does, and what each one does.
-VARIABLES = {
-    "CLIPSHARD_ALGORITHM": "'torch' makes every algorithm='auto' run the portable torch path",
-    "CLIPSHARD_CHUNKED_FORWARD_ROWS": "rows per CTA of the CUDA chunked forward kernel (16 or 32)",
-    "CLIPSHARD_ADDMM_FP32_ACCUMULATOR": "'0' makes the chunked backward of 16-bit features use an fp32 buffer",
-    "CLIPSHARD_CPU_ISA": "avx512, avx2 or baseline: the widest vector code the CPU kernels may use",
-    "CLIPSHARD_FIRST_USE_CHECK": "'0' turns off the first-use check of the compiled CUDA kernels (docs/first_use.md)",
-}
-# How clipshard's readers of these variables (clipshard/ops/_algorithm.py, csrc/env_vars.h) word a
+# How clipshard's readers of the variables (clipshard/ops/env_vars.py, csrc/env_vars.h) word a
 # value they do not accept: "the environment variable NAME must be <what is accepted>, got <value>".
 _REFUSED_VALUE = re.compile(r"the environment variable (CLIPSHARD_\w+) (must be .*?),? got ")
 
@@ -112,15 +104,17 @@ def auto_choices(device_types):
 
 
 def environment_report():
-    """The report's fields; "problems" lists the CLIPSHARD_* variables whose values were refused."""
+    """The report's fields; "problems" lists the CLIPSHARD_* variables whose values clipshard refuses:
+    every variable of env_vars.VARIABLES is validated, also those this build never reads."""
     visible = devices()
     device_types = ["cpu"] + (["cuda"] if len(visible) > 1 else [])
+    problems = [variable_problem(message) for message in env_vars.refusals()]
     try:
-        auto, problems = auto_choices(device_types), []
-    except ValueError as error:  # CLIPSHARD_ALGORITHM's reader refused its value
+        auto = auto_choices(device_types)
+    except ValueError as error:  # CLIPSHARD_ALGORITHM refused: already among the problems
         if variable_problem(str(error)) is None:
             raise
-        auto, problems = [], [variable_problem(str(error))]
+        auto = []
     return {
         "clipshard": clipshard.__version__,
         "torch": torch.__version__,
@@ -131,7 +125,7 @@ def environment_report():
         "devices": visible,
         "no_gpu_visible": len(visible) == 1,
         "auto": auto,
-        "variables": {name: os.environ.get(name) for name in sorted(set(VARIABLES) | {
+        "variables": {name: os.environ.get(name) for name in sorted(set(env_vars.VARIABLES) | {
             n for n in os.environ if n.startswith("CLIPSHARD_")})},
         "problems": problems,
     }
@@ -157,6 +151,7 @@ def format_environment(report):
         lines.append(f"  {c['device_type']} {c['op']} {c['dtype']}: {c['algorithm']} ({c['reason']})")
     lines.append("environment variables:")
     for name, value in report["variables"].items():
-        meaning = VARIABLES.get(name, "not a variable clipshard reads")
+        known = env_vars.VARIABLES.get(name)
+        meaning = known.meaning if known else "not a variable clipshard reads"
         lines.append(f"  {name}={value if value is not None else '(unset)'}: {meaning}")
     return lines

@@ -15,11 +15,11 @@ The environment variable CLIPSHARD_ALGORITHM=torch makes every "auto" pick "torc
 user can fall back from a compiled kernel inside a trainer whose code they do not control. An
 explicit `algorithm=` argument always wins over the variable.
 """
-import os
 import warnings
 
 import torch
 
+from clipshard.ops import env_vars
 from clipshard.ops.compile_marks import constant_under_compile
 
 ENV_VAR = "CLIPSHARD_ALGORITHM"
@@ -46,11 +46,7 @@ def has_compiled_kernel(operator, device_type):
 
 def _forced():
     """True when CLIPSHARD_ALGORITHM asks every "auto" for the torch path."""
-    value = os.environ.get(ENV_VAR, "")
-    if value not in ("", "auto", "torch"):
-        raise ValueError(f"clipshard: the environment variable {ENV_VAR} must be 'torch' or 'auto' (or unset), "
-                         f"got {value!r}")
-    return value == "torch"
+    return env_vars.value(ENV_VAR) == "torch"
 
 
 def _warn_once(key, reason):

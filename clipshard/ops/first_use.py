@@ -264,9 +264,11 @@ def kernel(name, device, *dtypes):
 def _agrees(probe, algorithm, device, dtypes):
     """The verdict on the compiled kernel for (probe, algorithm, device, dtypes); the first call for a
     device type that is checked runs the check. A dictionary lookup afterwards."""
-    if not env_vars.flag(ENV_VAR, True):
+    device = torch.device(device)
+    # the variable is read only where a check applies (a refused value raises there; the self-check names it)
+    if device.type not in CHECKED_DEVICE_TYPES or not env_vars.flag(ENV_VAR, True):
         return True
-    key = (probe, algorithm, torch.device(device), tuple(dtypes))
+    key = (probe, algorithm, device, tuple(dtypes))
     verdict = _verdicts.get(key)
     return _first_verdict(key) if verdict is None else verdict
 

@@ -5,6 +5,7 @@ written are refused on every rank or leave the previous ones intact. A resume wi
 to every rank, and longer interruption sequences: test_example_resume.py."""
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -128,6 +129,30 @@ def uninterrupted(tmp_path_factory):
     return out_dir, _torchrun(out_dir)
 
 
+def _table_rows(stdout):
+    """The rows of the printed table that the README shows: all but steps, throughput and time."""
+    rows = [line for line in stdout.splitlines() if line.startswith("  ") and not line.startswith(
+        ("  steps x global batch", "  training throughput", "  wall time"))]
+    assert any(row.strip().startswith("final loss") for row in rows), stdout[-2000:]
+    return rows
+
+
+def _deterministic_rows(stdout):
+    """The rows docs/example.md calls deterministic: accuracy, loss, optimizer bytes. (The peak loss
+    memory is not: a resumed run measured 256 bytes more or less than an uninterrupted one.)"""
+    return [row for row in _table_rows(stdout) if "peak loss memory" not in row and "for comparison" not in row]
+
+
+def test_the_readme_table_has_the_rows_the_run_prints(uninterrupted):
+    """README.md ("Two commands") shows the default run's table, its one home; its rows are those
+    the run prints (the values are the default run's, which the suite does not repeat)."""
+    readme = open(os.path.join(EXAMPLES, "..", "README.md")).read()
+    table = readme.split("## Two commands", 1)[1].split("```\n", 3)[2]
+    label = lambda row: re.split(r"\s{2,}", row.strip())[0]  # noqa: E731
+    _, stdout = uninterrupted
+    assert [label(row) for row in table.splitlines()] == [label(row) for row in _table_rows(stdout)]
+
+
 def test_smoke_run_writes_sane_metrics_and_a_plot(uninterrupted):
     out_dir, stdout = uninterrupted
     metrics = json.loads((out_dir / "metrics.json").read_text())
@@ -177,8 +202,10 @@ def test_resume_with_ranks_at_different_steps_takes_the_newest_common_step(stopp
     and the run ends bitwise where the uninterrupted one does."""
     run = _copy_run(stopped_at_4, tmp_path / "run")
     os.remove(checkpoint_path(run, 1, 4))
-    _torchrun(run, "--resume")
-    whole_dir, _ = uninterrupted
+    resumed_stdout = _torchrun(run, "--resume")
+    whole_dir, whole_stdout = uninterrupted
+    # the printed accuracy, loss and optimizer rows, which docs/example.md calls deterministic
+    assert _deterministic_rows(resumed_stdout) == _deterministic_rows(whole_stdout)
     for rank in range(2):
         whole = torch.load(checkpoint_path(whole_dir, rank, 6), weights_only=False)
         resumed = torch.load(checkpoint_path(run, rank, 6), weights_only=False)

@@ -300,8 +300,8 @@ def test_a_bad_value_of_the_variable_names_it(checked, monkeypatch):
 
 
 def test_the_self_check_report_knows_the_variable():
-    from clipshard.diagnostics.environment import VARIABLES
-    assert "first-use check" in VARIABLES[first_use.ENV_VAR]
+    from clipshard.ops.env_vars import VARIABLES
+    assert "first-use check" in VARIABLES[first_use.ENV_VAR].meaning
 
 
 def test_no_check_on_devices_that_are_not_listed(monkeypatch):

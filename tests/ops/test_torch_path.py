@@ -372,9 +372,11 @@ def test_environment_variable_forces_the_torch_path(monkeypatch):
         assert _algorithm.resolve("siglip_sum", "auto", torch.device("cpu"), SIGLIP_ALGORITHMS) == "torch"
     # an explicit algorithm wins over the variable
     assert _algorithm.resolve("contrastive_lse", "fused", torch.device("cpu"), LSE_ALGORITHMS) == "fused"
-    monkeypatch.setenv(_algorithm.ENV_VAR, "Torch")
+    monkeypatch.setenv(_algorithm.ENV_VAR, "Torch")  # any case, as every CLIPSHARD_* variable (ops/env_vars.py)
+    assert _algorithm.resolve("contrastive_lse", "auto", torch.device("cpu"), LSE_ALGORITHMS) == "torch"
+    monkeypatch.setenv(_algorithm.ENV_VAR, "tourch")
     rows = features(4, 3, torch.float32, seed=0)
-    with pytest.raises(ValueError, match="CLIPSHARD_ALGORITHM must be 'torch' or 'auto' \\(or unset\\), got 'Torch'"):
+    with pytest.raises(ValueError, match="CLIPSHARD_ALGORITHM must be one of auto, torch \\(or unset\\), got 'tourch'"):
         contrastive_lse(rows, rows, 1.0)
 
 
