@@ -138,6 +138,7 @@ def test_matryoshka_around_the_patched_losses(cached, tiny_model_directory):
     (torch.arange(5), "length 6"),
     (torch.rand(6), "dtype torch.float32"),
     ([0, 1, 2, 3, 4, 5], "got list"),
+    (torch.arange(6, device="meta"), "labels .*integer tensor of length 6.* with values, got a tensor on the meta"),
 ])
 def test_bad_sample_ids(labels, message):
     patch = clipshard.apply_to_sentence_transformers(labels_as_ids="mask")
