@@ -25,13 +25,12 @@ dS = g_row P + g_pos [own positive] needs two GEMMs per piece instead of the op'
 state, the library's MNRL = 1): B = 1024 against 8192 columns 0.65x-0.76x kept (63 MiB) against 0.98x
 recomputed (30.5 MiB). 16-bit inputs always take the recomputing path (the op accumulates in fp32).
 """
-import contextlib
-
 import torch
 import torch.distributed as dist
 
 from clipshard.ops.contrastive_lse import contrastive_lse, contrastive_lse_backward
 from clipshard.ops.inputs import accumulate_dtype
+from clipshard.ops.no_autocast import without_autocast
 
 _EPS = 1e-12  # F.normalize's default
 KEEP_SOFTMAX_BYTES = 32 << 20  # the largest block of similarities kept for the backward (module docstring)
@@ -189,9 +188,3 @@ def logit_scale(scale, like):
         raise ValueError(f"the loss's scale must be a number or a one-element tensor, got shape {tuple(scale.shape)}")
     return scale.to(device=like.device, dtype=dtype).reshape(())
 
-
-def without_autocast(device):
-    """A context in which autocast is off for `device` (a no-op where autocast does not exist)."""
-    if not torch.amp.is_autocast_available(device.type):
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, enabled=False)

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from clipshard.integrations.sentence_transformers_columns import logit_scale, query_to_doc_lse, without_autocast
+from clipshard.integrations.sentence_transformers_columns import logit_scale, query_to_doc_lse
 from clipshard.ops.contrastive_lse import contrastive_lse
+from clipshard.ops.no_autocast import without_autocast
 from clipshard.parallel.collectives import gather_rows
 from clipshard.parallel.layout import ShardLayout
 
