@@ -23,7 +23,11 @@ columns), the forward forms them with one GEMM, saves P = softmax(S) and the bac
 dS = g_row P + g_pos [own positive] needs two GEMMs per piece instead of the op's recomputation
 (three): the library's three GEMMs in all. Measured (2 ranks on a 2-core CPU, D = 768, steady
 state, the library's MNRL = 1): B = 1024 against 8192 columns 0.65x-0.76x kept (63 MiB) against 0.98x
-recomputed (30.5 MiB). 16-bit inputs always take the recomputing path (the op accumulates in fp32).
+recomputed (30.5 MiB). With cosine similarity the normalised copies (the gathered buffer, the rows)
+are fp32 for 16-bit embeddings, as the library's cos_sim computes, and follow the same budget; 16-bit
+embeddings with dot products stay 16-bit (the op accumulates their exact products in fp32) and
+recompute. The scale is an input tensor: a learnable one gets its gradient, sum(dS * C) over the
+pieces (C the unscaled similarities, dS the logits' gradient before the scale).
 """
 import torch
 import torch.distributed as dist

@@ -20,6 +20,7 @@ import torch
 
 from clipshard.integrations import sentence_transformers_inputs as inputs
 from clipshard.integrations import sentence_transformers_options as options
+from clipshard.integrations.bound_methods import own_method_bypasses_patch
 from clipshard.integrations.sentence_transformers_loss import TARGETS, ranking_loss
 from clipshard.integrations.supported_import import SENTENCE_TRANSFORMERS
 
@@ -94,26 +95,8 @@ def _runs_patched_method(cls):
 
 
 def _bound_before_patch(loss):
-    """The name of `loss`'s own (instance) loss method that does not lead to the patched one, or None."""
-    for method, _ in _PATCHED.values():
-        own = vars(loss).get(method)
-        if own is not None and not _leads_to_patched(own):
-            return method
-    return None
-
-
-def _leads_to_patched(function):
-    """Whether `function` is, or wraps, a method this module installed. Followed through `fn`
-    (MatryoshkaLoss's CachedLossDecorator), `__wrapped__` (functools.wraps) and `__func__` (a bound
-    method)."""
-    for _ in range(8):  # wrappers of wrappers, never a cycle
-        if getattr(function, "clipshard_patched", False):
-            return True
-        function = getattr(function, "fn", None) or getattr(function, "__wrapped__", None) or getattr(
-            function, "__func__", None)
-        if function is None:
-            return False
-    return False
+    """The name of `loss`'s own loss method bound before the patch (bound_methods), or None."""
+    return next((m for m, _ in _PATCHED.values() if own_method_bypasses_patch(loss, m)), None)
 
 
 _WRAPPERS = {"compute_loss_from_embeddings": _compute_loss_from_embeddings, "calculate_loss": _calculate_loss}
