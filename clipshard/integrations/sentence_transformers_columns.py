@@ -23,21 +23,26 @@ columns), the forward forms them with one GEMM, saves P = softmax(S) and the bac
 dS = g_row P + g_pos [own positive] needs two GEMMs per piece instead of the op's recomputation
 (three): the library's three GEMMs in all. Measured (2 ranks on a 2-core CPU, D = 768, steady
 state, the library's MNRL = 1): B = 1024 against 8192 columns 0.65x-0.76x kept (63 MiB) against 0.98x
-recomputed (30.5 MiB). 16-bit inputs always take the recomputing path (the op accumulates in fp32).
+recomputed (30.5 MiB). With cosine similarity the normalised copies (the gathered buffer, the rows)
+are fp32 for 16-bit embeddings, as the library's cos_sim computes, and follow the same budget; 16-bit
+embeddings with dot products stay 16-bit (the op accumulates their exact products in fp32) and
+recompute. The scale is an input tensor: a learnable one gets its gradient, sum(dS * C) over the
+pieces (C the unscaled similarities, dS the logits' gradient before the scale).
 """
 import torch
 import torch.distributed as dist
 
 from clipshard.ops.contrastive_lse import contrastive_lse, contrastive_lse_backward
 from clipshard.ops.inputs import accumulate_dtype
+from clipshard.ops.no_autocast import without_autocast
 
 _EPS = 1e-12  # F.normalize's default
 KEEP_SOFTMAX_BYTES = 32 << 20  # the largest block of similarities kept for the backward (module docstring)
 
 
-def _denominator(x):
-    """max(||x_i||, eps) per row, as F.normalize (a column vector)."""
-    return torch.linalg.vector_norm(x, dim=1, keepdim=True).clamp_min_(_EPS)
+def _denominator(x, dtype):
+    """max(||x_i||, eps) per row, as F.normalize (a column vector), computed in `dtype`."""
+    return torch.linalg.vector_norm(x, dim=1, keepdim=True, dtype=dtype).clamp_min_(_EPS)
 
 
 def _normalised(x, denom, out=None):
@@ -68,11 +73,13 @@ class _QueryToDocLSE(torch.autograd.Function):
     """(row LSE, positive logit) of the local queries over every rank's stacked document columns."""
 
     @staticmethod
-    def forward(ctx, scale, cosine, layout, keep_budget, queries, *docs):
-        ctx.scale, ctx.layout, ctx.count, ctx.keep_budget = scale, layout, len(docs), keep_budget
-        q_denom = _denominator(queries) if cosine else None
-        d_denoms = [_denominator(d) if cosine else None for d in docs]
-        gathered = queries.new_empty(layout.total * len(docs), queries.shape[1])
+    def forward(ctx, cosine, layout, keep_budget, scale, queries, *docs):
+        ctx.layout, ctx.count, ctx.keep_budget = layout, len(docs), keep_budget
+        # cosine: the normalised copies in fp32 (fp64) whatever the embeddings' dtype (module docstring)
+        ctx.work_dtype = accumulate_dtype(queries.dtype) if cosine else queries.dtype
+        q_denom = _denominator(queries, ctx.work_dtype) if cosine else None
+        d_denoms = [_denominator(d, ctx.work_dtype) if cosine else None for d in docs]
+        gathered = queries.new_empty(layout.total * len(docs), queries.shape[1], dtype=ctx.work_dtype)
         for q, k, start, size in _pieces(layout, len(docs)):
             piece = gathered[start: start + size]
             if q == layout.rank and cosine:
@@ -84,7 +91,7 @@ class _QueryToDocLSE(torch.autograd.Function):
         rows = _normalised(queries, q_denom)
         first_positive = layout.offset * len(docs)
         if keeps_softmax(rows, gathered.shape[0], ctx.keep_budget):
-            logits = torch.mm(rows, gathered.T).mul_(float(scale))
+            logits = torch.mm(rows, gathered.T).mul_(scale)
             pos = logits.diagonal(first_positive).clone()
             # the softmax in place (logsumexp would allocate a second B x K block)
             peak = logits.amax(1, keepdim=True)
@@ -93,39 +100,43 @@ class _QueryToDocLSE(torch.autograd.Function):
             softmax.div_(total)
             row_lse = total.log_().add_(peak).squeeze(1)
         else:
-            scale_t = torch.tensor(float(scale), dtype=accumulate_dtype(queries.dtype), device=queries.device)
-            row_lse, pos, _ = contrastive_lse(rows, gathered, scale_t, None, first_positive, False)
+            row_lse, pos, _ = contrastive_lse(rows, gathered, scale, None, first_positive, False)
             softmax = None
-        ctx.save_for_backward(queries, row_lse, q_denom, softmax, *docs, *d_denoms)
+        ctx.save_for_backward(scale, queries, row_lse, q_denom, softmax, *docs, *d_denoms)
         return row_lse, pos
 
     @staticmethod
     def backward(ctx, g_row, g_pos):
+        with without_autocast(ctx.saved_tensors[1].device):  # also when backward runs inside autocast
+            return _QueryToDocLSE._backward(ctx, g_row, g_pos)
+
+    @staticmethod
+    def _backward(ctx, g_row, g_pos):
         layout, count = ctx.layout, ctx.count
-        queries, row_lse, q_denom, softmax, *rest = ctx.saved_tensors
+        scale, queries, row_lse, q_denom, softmax, *rest = ctx.saved_tensors
         docs, d_denoms = rest[:count], rest[count:]
         g_row = torch.zeros_like(row_lse) if g_row is None else g_row.contiguous()
         g_pos = torch.zeros_like(row_lse) if g_pos is None else g_pos.contiguous()
-        scale = torch.tensor(float(ctx.scale), dtype=row_lse.dtype, device=row_lse.device)
         rows = _normalised(queries, q_denom)
         grad_dtype = torch.promote_types(queries.dtype, torch.float32)  # fp32 accumulation for 16-bit
-        d_rows, d_docs = None, [None] * count
+        d_rows, d_docs, d_scale = None, [None] * count, torch.zeros_like(scale)
         for q, k, start, size in _pieces(layout, count):
             own = q == layout.rank
             if own:
                 piece = _normalised(docs[k], d_denoms[k]).contiguous()
             else:
-                piece = queries.new_empty(size, queries.shape[1])
+                piece = queries.new_empty(size, queries.shape[1], dtype=ctx.work_dtype)
             if layout.world_size > 1:
                 dist.broadcast(piece, group=layout.group, group_src=q)
             # row i's positive is column i of this rank's own first piece; no positives elsewhere
             if softmax is None:
-                dr, dc, _, _ = contrastive_lse_backward(g_row, g_pos, None, rows, piece, scale, None,
-                                                        0 if own and k == 0 else None, row_lse, None)
+                dr, dc, ds, _ = contrastive_lse_backward(g_row, g_pos, None, rows, piece, scale, None,
+                                                         0 if own and k == 0 else None, row_lse, None)
             else:
-                dr, dc = _kept_softmax_backward(softmax[:, start: start + size], g_row, g_pos, own and k == 0,
-                                                rows, piece, ctx.scale)
+                dr, dc, ds = _kept_softmax_backward(softmax[:, start: start + size], g_row, g_pos, own and k == 0,
+                                                    rows, piece, scale)
             d_rows = dr.to(grad_dtype) if d_rows is None else d_rows.add_(dr)
+            d_scale += ds
             del piece, dr
             if layout.world_size > 1:
                 dist.reduce(dc, group=layout.group, group_dst=q)
@@ -134,7 +145,7 @@ class _QueryToDocLSE(torch.autograd.Function):
             del dc  # not alive during the next piece's work
         d_queries = _cosine_backward_(d_rows, queries, q_denom).to(queries.dtype)
         need = ctx.needs_input_grad
-        return (None, None, None, None, d_queries if need[4] else None,
+        return (None, None, None, d_scale if need[3] else None, d_queries if need[4] else None,
                 *(d if n else None for d, n in zip(d_docs, need[5:])))
 
 
@@ -148,18 +159,36 @@ def keeps_softmax(rows, columns, budget=None):
 
 
 def _kept_softmax_backward(softmax, g_row, g_pos, with_positives, rows, piece, scale):
-    """(d rows, d piece) of one piece from its saved softmax P (B x piece rows), with the logits'
-    scale folded into the upstream gradients: scale dS = (scale g_row) P + scale g_pos at the
-    positives (column i of the own first piece)."""
-    d_logits = softmax * (g_row * float(scale))[:, None]
+    """(d rows, d piece, d scale) of one piece from its saved softmax P (B x piece rows): with
+    dS = g_row P + g_pos at the positives (column i of the own first piece) and C = rows piece^T,
+    d rows = scale dS piece, d piece = scale dS^T rows, d scale = sum(dS * C) = sum_i <dS piece, rows>_i."""
+    d_logits = softmax * g_row[:, None]
     if with_positives:
-        d_logits.diagonal().add_(g_pos, alpha=float(scale))
-    return d_logits @ piece, d_logits.T @ rows
+        d_logits.diagonal().add_(g_pos)
+    d_rows = d_logits @ piece
+    d_scale = torch.linalg.vecdot(d_rows, rows).sum()
+    return d_rows.mul_(scale), (d_logits.T @ rows).mul_(scale), d_scale
 
 
 def query_to_doc_lse(queries, docs, scale, cosine, layout, keep_budget=None):
     """(row LSE [B], positive logit [B]) of query_to_doc: the local queries (B x D) against every
     rank's documents (docs: the local 1 + H columns, B x D each), cosine or dot-product similarity
-    times `scale` (a float), the gathered batch as `layout` says (module docstring). keep_budget:
-    the bytes of similarities small enough to keep (None: KEEP_SOFTMAX_BYTES; 0: always recompute)."""
-    return _QueryToDocLSE.apply(float(scale), bool(cosine), layout, keep_budget, queries, *docs)
+    times `scale` (a number, or a one-element tensor that gets its gradient), the gathered batch as
+    `layout` says (module docstring). keep_budget: the bytes of similarities small enough to keep
+    (None: KEEP_SOFTMAX_BYTES; 0: always recompute). Autocast does not apply: the forward and the
+    backward compute in the embeddings' dtype, or fp32 (accumulation, normalised copies) for 16-bit."""
+    with without_autocast(queries.device):
+        return _QueryToDocLSE.apply(bool(cosine), layout, keep_budget, logit_scale(scale, queries), queries, *docs)
+
+
+def logit_scale(scale, like):
+    """`scale` (the library's: a number, or a one-element tensor such as a learnable temperature) as
+    the 0-dim fp32 (fp64) tensor on `like`'s device that the op takes; a tensor keeps its autograd
+    graph, so that it gets the library's gradient."""
+    dtype = accumulate_dtype(like.dtype)
+    if not torch.is_tensor(scale):
+        return torch.tensor(float(scale), dtype=dtype, device=like.device)
+    if scale.numel() != 1:
+        raise ValueError(f"the loss's scale must be a number or a one-element tensor, got shape {tuple(scale.shape)}")
+    return scale.to(device=like.device, dtype=dtype).reshape(())
+

@@ -38,14 +38,17 @@ def embeddings_problem(embeddings):
 
 
 def ids_problem(ids, batch, device):
-    """(exception class, message) for sample ids (the batch's labels) that are not B int ids, or None."""
-    expected = f"the sample ids must be a 1-D integer tensor of length {batch} (the local batch)"
+    """(exception class, message) for sample ids (the batch's labels) that are not B int ids with
+    values, or None (ids on another device than the embeddings are moved there)."""
+    expected = f"labels (the sample ids) must be a 1-D integer tensor of length {batch} (the local batch)"
     if not torch.is_tensor(ids):
         return TypeError, f"{expected}, got {type(ids).__name__}"
     if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
         return TypeError, f"{expected}, got dtype {ids.dtype} (a score or label column is not an id column)"
     if ids.dim() != 1 or ids.shape[0] != batch:
         return ValueError, f"{expected}, got shape {tuple(ids.shape)}"
+    if ids.is_meta:
+        return ValueError, f"{expected} with values, got a tensor on the meta device (no values to read)"
     return None
 
 

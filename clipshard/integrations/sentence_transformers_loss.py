@@ -29,9 +29,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from clipshard.integrations.sentence_transformers_columns import query_to_doc_lse
+from clipshard.integrations.sentence_transformers_columns import logit_scale, query_to_doc_lse
 from clipshard.ops.contrastive_lse import contrastive_lse
-from clipshard.ops.inputs import accumulate_dtype
+from clipshard.ops.no_autocast import without_autocast
 from clipshard.parallel.collectives import gather_rows
 from clipshard.parallel.layout import ShardLayout
 
@@ -42,15 +42,20 @@ TARGETS = (None, "mask", "multi")
 
 @dataclass(frozen=True)
 class RankingOptions:
-    """The fused loss's options: scale (the library's, a positive number), cosine (cos_sim, else
+    """The fused loss's options: scale (the library's: a positive number, or a one-element tensor
+    such as a learnable temperature, which gets its gradient), cosine (cos_sim, else
     dot_score), directions (a subset of DIRECTIONS with query_to_doc), partition_mode, targets of
     the sample ids (None without ids)."""
 
-    scale: float
+    scale: object
     cosine: bool
     directions: tuple
     partition_mode: str
     targets: str = None
+
+
+def _normalised(x, dtype):
+    return F.normalize(x.to(dtype), p=2, dim=-1)
 
 
 def _self_ids(ids, ids_all, layout, device):
@@ -68,16 +73,22 @@ def ranking_loss(queries, docs, options, layout, ids=None):
     embeddings' device, or None (then options.targets is None). With query_to_doc alone and no ids
     (the default options) the normalised and gathered columns are recomputed in the backward
     instead of kept, and a small block (up to 32 MiB of similarities) keeps its softmax
-    (sentence_transformers_columns); the other options take the path below."""
+    (sentence_transformers_columns); the other options take the path below. Autocast does not
+    apply: the loss computes in the embeddings' dtype, fp32 for 16-bit ones (accumulation and the
+    normalised copies), so that it is never less accurate than the library's."""
+    with without_autocast(queries.device):
+        return _ranking_loss(queries, docs, options, layout, ids)
+
+
+def _ranking_loss(queries, docs, options, layout, ids):
     directions = set(options.directions)
     if ids is None and directions == {"query_to_doc"}:  # the default options: normalised and gathered
         # copies only inside the op's forward and backward (sentence_transformers_columns)
         lse, pos = query_to_doc_lse(queries, docs, options.scale, options.cosine, layout)
         return _weighted((lse - pos).mean(), layout)
-    if options.cosine:  # once per embedding; its backward recomputes from the raw rows and their norms
-        queries, docs = F.normalize(queries, p=2, dim=-1), [F.normalize(d, p=2, dim=-1) for d in docs]
-    acc = accumulate_dtype(queries.dtype)
-    scale = torch.tensor(float(options.scale), dtype=acc, device=queries.device)
+    scale = logit_scale(options.scale, queries)
+    if options.cosine:  # once per embedding, in fp32 for 16-bit ones (as the library's cos_sim)
+        queries, docs = _normalised(queries, scale.dtype), [_normalised(d, scale.dtype) for d in docs]
     gathered_docs = None if ids is None and "doc_to_doc" not in directions else [gather_rows(d, layout) for d in docs]
     all_queries = gather_rows(queries, layout) if directions & {"query_to_query", "doc_to_query"} else None
     ids_all = None if ids is None else gather_rows(ids, layout, with_grad=False)

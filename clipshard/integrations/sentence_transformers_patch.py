@@ -20,6 +20,7 @@ import torch
 
 from clipshard.integrations import sentence_transformers_inputs as inputs
 from clipshard.integrations import sentence_transformers_options as options
+from clipshard.integrations.bound_methods import own_method_bypasses_patch
 from clipshard.integrations.sentence_transformers_loss import TARGETS, ranking_loss
 from clipshard.integrations.supported_import import SENTENCE_TRANSFORMERS
 
@@ -89,6 +90,15 @@ def _calculate_loss(original, labels_as_ids):
     return calculate_loss
 
 
+def _runs_patched_method(cls):
+    return any(getattr(getattr(cls, m, None), "clipshard_patched", False) for m, _ in _PATCHED.values())
+
+
+def _bound_before_patch(loss):
+    """The name of `loss`'s own loss method bound before the patch (bound_methods), or None."""
+    return next((m for m, _ in _PATCHED.values() if own_method_bypasses_patch(loss, m)), None)
+
+
 _WRAPPERS = {"compute_loss_from_embeddings": _compute_loss_from_embeddings, "calculate_loss": _calculate_loss}
 
 
@@ -130,15 +140,31 @@ class SentenceTransformersPatch:
     active: bool = True
 
     def covers(self, loss):
-        """Whether `loss` (a loss object or class) runs a method this patch installed."""
-        cls = loss if isinstance(loss, type) else type(loss)
-        return self.active and any(getattr(getattr(cls, m, None), "clipshard_patched", False)
-                                   for m, _ in _PATCHED.values())
+        """Whether `loss` (a loss object or class) runs a method this patch installed. A wrapper
+        (MatryoshkaLoss, any loss module holding the loss it calls as `.loss`) covers what its loss
+        covers; a loss whose own method was bound before the patch (MatryoshkaLoss decorates a cached
+        loss's bound `calculate_loss` when it is built) is not covered."""
+        if not self.active:
+            return False
+        if isinstance(loss, type):
+            return _runs_patched_method(loss)
+        if not _runs_patched_method(type(loss)):
+            inner = getattr(loss, "loss", None)
+            return isinstance(inner, torch.nn.Module) and self.covers(inner)
+        return _bound_before_patch(loss) is None
 
     def report(self, loss):
-        """One line saying what `loss` (a loss object) computes with this patch."""
+        """One line saying what `loss` (a loss object) computes with this patch; a loss that runs
+        the library's computation for a reason of clipshard's gets the usual log line too."""
         name = type(loss).__name__
+        inner = getattr(loss, "loss", None)
+        if not _runs_patched_method(type(loss)) and isinstance(inner, torch.nn.Module) and self.active:
+            return f"{name} around {self.report(inner)}"
         if not self.covers(loss):
+            if self.active and _runs_patched_method(type(loss)):
+                reason = f"its {_bound_before_patch(loss)} bound before apply_to_sentence_transformers()"
+                _log_fallback(name, reason)
+                return f"{name}: {reason} is not fused; it computes sentence-transformers' own loss"
             return f"{name}: left alone, it computes its own loss"
         reason = options.fallback_reason(loss, negatives=1)  # as with hard-negative columns
         if reason is not None:

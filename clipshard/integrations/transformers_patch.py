@@ -22,6 +22,7 @@ import torch
 
 from clipshard.integrations import transformers_models as models
 from clipshard.integrations import transformers_structure as structure
+from clipshard.integrations.bound_methods import own_method_bypasses_patch
 from clipshard.integrations.supported_import import TRANSFORMERS
 from clipshard.integrations.transformers_loss import global_batch_loss, grad_cache_loss, negative_embeddings
 
@@ -140,17 +141,24 @@ class TransformersPatch:
 
     def covers(self, model):
         """Whether `model` (or its class) computes clipshard's loss while this patch is active: a
-        covered class this patch replaced, or a subclass whose `forward` is still the patched one."""
+        covered class this patch replaced, or a subclass whose `forward` is still the patched one,
+        and not a model holding its own forward bound before the patch (bound_methods)."""
         cls = model if isinstance(model, type) else type(models.unwrap(model))
         entry = models.covered_entry(cls)
-        return self.active and entry is not None and entry.name in self.replaced and _runs_patched_forward(cls)
+        covered = self.active and entry is not None and entry.name in self.replaced and _runs_patched_forward(cls)
+        return covered and (isinstance(model, type) or not own_method_bypasses_patch(models.unwrap(model), "forward"))
 
     def report(self, model):
         """One line saying what `model`'s return_loss=True computes."""
         cls = model if isinstance(model, type) else type(models.unwrap(model))
         entry = models.covered_entry(cls)
-        if self.covers(cls):
+        if self.covers(model):
             return f"{cls.__name__}: clipshard's global-batch loss ({entry.family} family)"
+        if self.covers(cls):  # the object's own forward, bound before the patch (accelerate's prepare)
+            line = (f"{cls.__name__}: left alone, its forward was bound before apply_to_transformers() (as "
+                    "accelerate's prepare does for mixed precision); it computes its own loss")
+            _LOG.warning("clipshard: %s", line)
+            return line
         if entry is not None and entry.name in self.rejected:
             return (f"{cls.__name__}: left alone, its structure is not the one clipshard patches "
                     f"({self.rejected[entry.name]}); it computes its own loss")

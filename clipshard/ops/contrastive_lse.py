@@ -22,6 +22,7 @@ from clipshard.ops import first_use
 from clipshard.ops.inputs import (accumulate_dtype, check_block_features, check_extra_cols, check_flags,
                                   check_logit_scalar, check_targets)
 from clipshard.ops._workspace import workspace_bytes as _workspace_bytes
+from clipshard.ops.no_autocast import autocast_off
 from clipshard.ops.portable_lse import contrastive_lse_backward_torch, contrastive_lse_torch
 from clipshard.ops.same_id import same_id_logit_sums
 
@@ -56,6 +57,7 @@ def _setup_context(ctx, inputs, output):
     ctx.workspace_bytes = workspace_bytes
 
 
+@autocast_off
 def _backward(ctx, grad_row_lse, grad_pos_logit, grad_col_lse):
     rows, cols, scale, bias, row_ids, col_ids, row_lse, col_lse = ctx.saved_tensors
     # Outputs that did not take part in the loss may hand back None (or zeros, which are harmless).
@@ -94,6 +96,7 @@ def mean_positive(logit_sum, count):
     return torch.where(count > 0, mean, torch.full_like(mean, float("nan")))
 
 
+@autocast_off
 def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=True, *, row_ids=None, col_ids=None,
                     targets=None, extra_cols=None, algorithm="auto", workspace_bytes=None):
     """Fused S = scale * rows @ cols^T (+ bias) reduced to log-sum-exps, never materialising S.
@@ -154,6 +157,7 @@ def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=Tru
     return row_lse, pos_logit, col_lse
 
 
+@autocast_off
 def contrastive_lse_backward(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias, pos_offset,
                              row_lse, col_lse, *, row_ids=None, col_ids=None, algorithm="auto", workspace_bytes=None):
     """The backward of contrastive_lse for log-sum-exps computed elsewhere: ring mode hands it the

@@ -19,6 +19,7 @@ from clipshard.ops import first_use
 from clipshard.ops.inputs import SUPPORTED_DTYPES, accumulate_dtype, check_block_features, check_flags, \
     check_logit_scalar
 from clipshard.ops._workspace import workspace_bytes as _workspace_bytes
+from clipshard.ops.no_autocast import autocast_off
 from clipshard.ops.portable_distill import distill_lse_backward_torch, distill_lse_torch
 
 ALGORITHMS = ("auto", "compiled", "torch")
@@ -60,6 +61,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
+@autocast_off
 def _backward(ctx, *grads):
     saved = ctx.saved_tensors
     if not ctx.want_columns:
@@ -110,6 +112,7 @@ def _check_teacher_scale(fn, teacher_scale, n_teachers, rows):
     return teacher_scale.reshape(n_teachers)
 
 
+@autocast_off
 def distill_lse(rows, cols, teacher_rows, teacher_cols, scale, teacher_scale, pos_offset=0, want_columns=True, *,
                 algorithm="auto", workspace_bytes=None):
     """The student's and the teachers' log-sum-exps and cross terms of one block, never forming a
@@ -148,6 +151,7 @@ def distill_lse(rows, cols, teacher_rows, teacher_cols, scale, teacher_scale, po
                                            want_columns, budget)
 
 
+@autocast_off
 def distill_lse_backward(grads, rows, cols, teacher_rows, teacher_cols, scale, teacher_scale, pos_offset, stats,
                          teacher_grad, *, algorithm="auto", workspace_bytes=None):
     """The backward of distill_lse for statistics computed elsewhere (ring mode hands it the full

@@ -27,6 +27,7 @@ forward 5 M x Kc buffers in the accumulation dtype, backward 9, all counted agai
 import torch
 
 from clipshard.ops._portable_chunks import Chunks, GradientGemms, fp16_prescale
+from clipshard.ops.no_autocast import autocast_off
 from clipshard.ops._workspace import chunk_columns
 
 _FORWARD_BUFFERS = 5
@@ -256,6 +257,7 @@ class _DistillLse(torch.autograd.Function):
         return outputs
 
     @staticmethod
+    @autocast_off  # also when the backward runs inside the autocast block
     def backward(ctx, *grads):
         saved = ctx.saved_tensors
         inputs, stats = saved[:6], saved[6:]

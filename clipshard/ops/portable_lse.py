@@ -27,6 +27,7 @@ fuse the per-chunk elementwise work; it has no host synchronisation.
 import torch
 
 from clipshard.ops._portable_chunks import Chunks, GradientGemms, fp16_prescale
+from clipshard.ops.no_autocast import autocast_off
 
 
 def _forward(rows, cols, scale, bias, pos_offset, want_col_lse, budget, row_ids=None, col_ids=None):
@@ -128,6 +129,7 @@ class _ContrastiveLse(torch.autograd.Function):
         return row_lse, pos_logit, col_lse
 
     @staticmethod
+    @autocast_off  # also when the backward runs inside the autocast block
     def backward(ctx, g_row, g_pos, g_col):
         rows, cols, scale, bias, row_lse, col_lse, row_ids, col_ids = ctx.saved_tensors
         needs = ctx.needs_input_grad[:4]

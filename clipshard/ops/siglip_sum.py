@@ -24,6 +24,7 @@ from clipshard import _C  # noqa: F401  (registers torch.ops.clipshard.*)
 from clipshard.ops import _workspace, first_use
 from clipshard.ops.inputs import (accumulate_dtype, check_block_features, check_bool, check_extra_cols,
                                   check_logit_scalar, check_targets)
+from clipshard.ops.no_autocast import autocast_off
 from clipshard.ops.portable_siglip import siglip_block_torch, siglip_sum_torch
 
 ALGORITHMS = ("auto", "chunked", "torch")
@@ -86,6 +87,7 @@ def _sum(rows, cols, scale, bias, pos_offset, with_grad, row_ids, col_ids, mask_
                                               with_grad, budget)[0]
 
 
+@autocast_off
 def siglip_sum(rows, cols, scale, bias=None, pos_offset=0, *, row_ids=None, col_ids=None, targets=None,
                extra_cols=None, algorithm="auto", workspace_bytes=None):
     """Fused sum of the SigLIP loss terms of an M x K block, never materialising the logits.
@@ -133,6 +135,7 @@ def siglip_sum(rows, cols, scale, bias=None, pos_offset=0, *, row_ids=None, col_
     return loss
 
 
+@autocast_off
 def siglip_block(rows, cols, scale, bias, pos_offset, with_grad, *, row_ids=None, col_ids=None, mask_same_ids=False,
                  algorithm="auto", workspace_bytes=None):
     """siglip_forward's outputs without autograd, for a caller that weighs the gradients itself (the

@@ -138,6 +138,7 @@ def test_matryoshka_around_the_patched_losses(cached, tiny_model_directory):
     (torch.arange(5), "length 6"),
     (torch.rand(6), "dtype torch.float32"),
     ([0, 1, 2, 3, 4, 5], "got list"),
+    (torch.arange(6, device="meta"), "labels .*integer tensor of length 6.* with values, got a tensor on the meta"),
 ])
 def test_bad_sample_ids(labels, message):
     patch = clipshard.apply_to_sentence_transformers(labels_as_ids="mask")
@@ -169,3 +170,48 @@ def test_version_policy(monkeypatch):
     with pytest.warns(UserWarning, match="6.9.1 is newer than the newest release clipshard was tested with"):
         patch = clipshard.apply_to_sentence_transformers()
     patch.undo()
+
+
+class _ModelOfAnyWidth(torch.nn.Sequential):
+    def get_embedding_dimension(self):  # what MatryoshkaLoss asks of a model
+        return None
+
+
+@pytest.mark.parametrize("built", ["before", "after"])
+def test_matryoshka_around_a_cached_loss_reports_what_runs(built, monkeypatch, caplog):
+    """MatryoshkaLoss binds a cached loss's calculate_loss when built: built before the patch it runs
+    the library's computation, and covers() / report() say so, with the usual log line; built after,
+    the fused loss runs and the report says fused (of the wrapper too)."""
+    from clipshard.integrations import sentence_transformers_patch
+
+    calls = []
+    fused = sentence_transformers_patch.ranking_loss
+    monkeypatch.setattr(sentence_transformers_patch, "ranking_loss", lambda *a: calls.append(1) or fused(*a))
+    monkeypatch.setattr(sentence_transformers_patch, "_logged", set())
+    model = _ModelOfAnyWidth(torch.nn.Identity())
+
+    def build():
+        inner = losses.CachedMultipleNegativesRankingLoss(model, mini_batch_size=2)
+        return losses.MatryoshkaLoss(model, inner, matryoshka_dims=[6, 3])
+
+    loss = build() if built == "before" else None
+    patch = clipshard.apply_to_sentence_transformers()
+    try:
+        loss = loss or build()
+        with caplog.at_level(logging.WARNING, logger="clipshard"):
+            lines = patch.report(loss), patch.report(loss.loss)
+        covered = patch.covers(loss), patch.covers(loss.loss)
+        reps = [[x.requires_grad_() for x in c.split(2)] for c in _columns(negatives=1)]
+        loss.loss.calculate_loss(reps, None, with_backward=True)
+    finally:
+        patch.undo()
+    logged = [r.getMessage() for r in caplog.records if "not fused" in r.getMessage()]
+    if built == "before":
+        assert not calls and covered == (False, False), (calls, covered)
+        assert all("calculate_loss bound before apply_to_sentence_transformers() is not fused" in line
+                   for line in lines), lines
+        assert lines[0].startswith("MatryoshkaLoss around CachedMultipleNegativesRankingLoss: ")
+        assert len(logged) == 1 and "CachedMultipleNegativesRankingLoss with its calculate_loss bound" in logged[0]
+    else:
+        assert len(calls) == 2 and covered == (True, True), (calls, covered)
+        assert all("clipshard's fused loss over the local batch" in line for line in lines) and not logged, lines
