@@ -81,10 +81,9 @@ _lock = threading.Lock()
 
 
 def rows_of(t):
-    """t's number of rows for a path, None when it is symbolic (torch.compile's dynamic shapes): the
-    verdict then covers the variant for every number of rows."""
-    n = t.shape[0]
-    return None if isinstance(n, torch.SymInt) else n
+    """t's number of rows for a path; None while torch.compile traces (a graph may serve other sizes,
+    and a symbolic size is no constant): the verdict then covers every number of rows."""
+    return None if torch.compiler.is_compiling() else t.shape[0]
 
 
 def resolve(op, algorithm, device, names, *dtypes, paths=((),)):

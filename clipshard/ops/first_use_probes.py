@@ -16,8 +16,8 @@ probe builds a problem that those rules map to its variant: SigLIP's rows per CT
 number of rows (on an H100, 8 rows per CTA take M >= 4217), the forward's rows per CTA through
 CLIPSHARD_CHUNKED_FORWARD_ROWS where M alone cannot reach it. A path is what a call knows before
 it runs: (rows, ids, positives, col_lse), (rows, ids, positives, with_grad), (teachers,
-want_columns, teacher_grad); rows None (a symbolic size under torch.compile) stands for every
-number of rows.
+want_columns, teacher_grad); rows (or teachers) None, as while torch.compile traces, stands for
+every number.
 """
 import contextlib
 import itertools

@@ -376,12 +376,21 @@ def test_distillation_with_one_or_three_teachers_checks_the_one_teacher_kernel(c
     assert len(torch_path.calls) == 2
 
 
-def test_a_symbolic_number_of_rows_checks_every_rows_variant(checked, monkeypatch, two_sms):
-    """Under torch.compile's dynamic shapes a path's rows are None: every rows-per-CTA variant is
-    checked (on 2 SMs: 1, 2, 4, 8 for SigLIP with ids)."""
+def test_under_torch_compile_every_rows_variant_is_checked_while_tracing(checked, monkeypatch, two_sms):
+    """A compiled graph may serve other batch sizes (dynamic shapes): tracing checks every rows-per-CTA
+    variant of the call (on 2 SMs: 1, 2, 4, 8 for SigLIP with ids), without a graph break."""
     probe = break_probe(monkeypatch, "siglip_sum", wrong_for=())
-    assert first_use._agrees("siglip_sum", "chunked", CPU, (torch.float32,), ((None, "mask", True, True),))
-    assert [v["rows_per_cta"] for v in probe.variants] == [1, 2, 4, 8]
+    compiled = torch.compile(lambda r, c, ids: clipshard.siglip_sum(r, c, 10.0, row_ids=ids[:r.shape[0]], col_ids=ids,
+                                                                    targets="mask"),
+                             backend="aot_eager", dynamic=True, fullgraph=True)
+    cols, col_ids = features(60, 8, seed=60), _ids(60, 5, groups=10)
+    with no_warnings():
+        for m in (9, 40):
+            rows = features(m, 8, seed=61 + m)
+            want = clipshard.siglip_sum(rows, cols, 10.0, row_ids=col_ids[:m], col_ids=col_ids, targets="mask",
+                                        algorithm="torch")
+            torch.testing.assert_close(compiled(rows, cols, col_ids), want, rtol=1e-5, atol=1e-5)
+    assert sorted(v["rows_per_cta"] for v in probe.variants) == [1, 2, 4, 8]
 
 
 # --- a kernel that kills the device -----------------------------------------------------------------
