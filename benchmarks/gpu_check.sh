@@ -110,8 +110,12 @@ step "first-use check (the check a user's first call of each CUDA kernel runs)"
 if "$PY" -c "import pytest" 2>/dev/null; then
   if run_step 20 "$LOG_DIR/first_use.log" env CLIPSHARD_FIRST_USE_CHECK=1 "$PY" -m pytest -q -s -m cuda \
       -p no:cacheprovider tests/ops/test_first_use_check.py; then
-    record "first-use check: $(tail -n 1 "$LOG_DIR/first_use.log"); slowest probe: $(grep -o \
-      "first-use check [0-9.]* ms: .*" "$LOG_DIR/first_use.log" | sort -k3 -g | tail -n 1)"
+    # Every kernel variant the probes verified (kernel, algorithm, device, dtypes [variant]), one a line.
+    grep -o "first-use check [0-9.]* ms: .*" "$LOG_DIR/first_use.log" | sed "s/^first-use check [0-9.]* ms: //" \
+      | tee "$LOG_DIR/first_use_variants.txt"
+    record "first-use check: $(tail -n 1 "$LOG_DIR/first_use.log"); verified $(wc -l < \
+      "$LOG_DIR/first_use_variants.txt") kernel variants x dtypes ($LOG_DIR/first_use_variants.txt); slowest probe: \
+$(grep -o "first-use check [0-9.]* ms: .*" "$LOG_DIR/first_use.log" | sort -k3 -g | tail -n 1)"
   else
     grep -E "^(FAILED|ERROR)" "$LOG_DIR/first_use.log" | head -n 20
     record "FIRST-USE CHECK FAILED: $(tail -n 1 "$LOG_DIR/first_use.log")"

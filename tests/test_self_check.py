@@ -4,6 +4,7 @@ replaced through torch.library in a child process: no hook ships in the package)
 exit non-zero and name it. The known answers of the bit-exact checks are those of the fp64 / numpy
 references; a CLIPSHARD_* value clipshard refuses is named as such (exit 2), not blamed on a kernel;
 checking nothing is not a pass."""
+import dataclasses
 import importlib
 import json
 import os
@@ -302,3 +303,23 @@ def test_a_build_without_a_devices_bit_exact_kernels_has_nothing_to_check_there(
     gpu = torch.device("cuda", 0)
     assert list(bit_checks.check_stochastic_round(gpu)) == [] and list(bit_checks.check_adamw(gpu)) == []
     assert len(list(bit_checks.check_stochastic_round(torch.device("cpu")))) == 2
+
+
+def test_the_kernel_variants_check_names_each_failing_variant(monkeypatch):
+    """A SigLIP kernel that runs targets "mask" as "multi" fails only the "mask" variants (with and
+    without positives and gradients), one named row each; the other families still pass."""
+    from clipshard.diagnostics.variant_checks import check_every_variant
+    from clipshard.ops import first_use_probes
+
+    probe = first_use_probes.PROBES["siglip_sum"]
+
+    def mask_as_multi(algorithm, dtypes, variant, *inputs):
+        as_multi = tuple((k, "multi" if k == "ids" and value == "mask" else value) for k, value in variant)
+        return probe.compiled(algorithm, dtypes, as_multi, *inputs)
+
+    monkeypatch.setitem(first_use_probes.PROBES, "siglip_sum", dataclasses.replace(probe, compiled=mask_as_multi))
+    rows = list(check_every_variant(torch.device("cpu")))
+    failed = sorted(m.case for m in rows if not m.passed)
+    assert len(failed) == 4 and all(case.startswith("siglip_sum chunked float32 [ids=mask") for case in failed)
+    assert {m.case.split(":")[0] for m in rows if m.passed} == {
+        "contrastive_lse fused float32", "distill_lse compiled float32/float32"}

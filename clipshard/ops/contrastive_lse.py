@@ -143,7 +143,11 @@ def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=Tru
     scale = check_logit_scalar(fn, "scale", scale, rows)
     if bias is not None:
         bias = check_logit_scalar(fn, "bias", bias, rows)
-    algorithm = first_use.resolve(fn, algorithm, rows.device, ALGORITHMS, rows.dtype)
+    has_extra_cols = extra_cols is not None and extra_cols.shape[0] > 0
+    # the kernel variants the call runs (first-use check): its block, and the extra columns' block
+    paths = ((first_use.rows_of(rows), targets == "mask", pos_offset is not None, want_col_lse),)
+    paths += ((first_use.rows_of(rows), False, False, False),) if has_extra_cols else ()
+    algorithm = first_use.resolve(fn, algorithm, rows.device, ALGORITHMS, rows.dtype, paths=paths)
     budget = _workspace_bytes(fn, rows.device, workspace_bytes)
     mask_ids = (row_ids, col_ids) if targets == "mask" else (None, None)
     row_lse, pos_logit, col_lse = _block(rows, cols, scale, bias, pos_offset, want_col_lse, *mask_ids, algorithm,
@@ -151,7 +155,7 @@ def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=Tru
     if targets == "multi":
         row_sum, row_count, _, _ = same_id_logit_sums(rows, cols, scale, bias, row_ids, col_ids)
         pos_logit = mean_positive(row_sum, row_count)
-    if extra_cols is not None and extra_cols.shape[0] > 0:
+    if has_extra_cols:
         extra_lse = _block(rows, extra_cols, scale, bias, None, False, None, None, algorithm, budget)[0]
         row_lse = torch.logaddexp(row_lse, extra_lse)
     return row_lse, pos_logit, col_lse
@@ -169,7 +173,8 @@ def contrastive_lse_backward(grad_row_lse, grad_pos_logit, grad_col_lse, rows, c
     fn = "contrastive_lse_backward"
     if row_ids is not None or col_ids is not None:
         check_targets(fn, "mask", rows, cols, row_ids, col_ids)
-    algorithm = first_use.resolve("contrastive_lse", algorithm, rows.device, ALGORITHMS, rows.dtype)
+    path = (first_use.rows_of(rows), row_ids is not None, pos_offset is not None, grad_col_lse is not None)
+    algorithm = first_use.resolve("contrastive_lse", algorithm, rows.device, ALGORITHMS, rows.dtype, paths=(path,))
     budget = _workspace_bytes("contrastive_lse", rows.device, workspace_bytes)
     if algorithm == "torch":
         return contrastive_lse_backward_torch(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale, bias,

@@ -142,7 +142,10 @@ def distill_lse(rows, cols, teacher_rows, teacher_cols, scale, teacher_scale, po
     acc = accumulate_dtype(rows.dtype)
     scale = check_logit_scalar(fn, "scale", scale, rows).to(acc)
     teacher_scale = _check_teacher_scale(fn, teacher_scale, teacher_rows.shape[0], rows).to(acc)
-    algorithm = first_use.resolve(fn, algorithm, rows.device, ALGORITHMS, rows.dtype, teacher_rows.dtype)
+    teacher_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (teacher_rows, teacher_cols, teacher_scale))
+    path = (first_use.rows_of(teacher_rows), want_columns, teacher_grad)  # the kernel variant (first-use check)
+    algorithm = first_use.resolve(fn, algorithm, rows.device, ALGORITHMS, rows.dtype, teacher_rows.dtype,
+                                  paths=(path,))
     budget = _workspace_bytes(fn, rows.device, workspace_bytes)
     if algorithm == "torch":
         return distill_lse_torch(rows, cols, teacher_rows, teacher_cols, scale, teacher_scale, pos_offset,
@@ -159,7 +162,10 @@ def distill_lse_backward(grads, rows, cols, teacher_rows, teacher_cols, scale, t
     zero); stats: (row_lse, teacher_row_lse, row_cross, col_lse, teacher_col_lse, col_cross); scale
     0-dim and teacher_scale (T,) in the accumulation dtype. Returns (d rows, d cols, d teacher_rows,
     d teacher_cols, d scale, d teacher_scale), the teachers' empty without teacher_grad."""
-    algorithm = first_use.resolve("distill_lse", algorithm, rows.device, ALGORITHMS, rows.dtype, teacher_rows.dtype)
+    want_columns = stats[3] is not None and stats[3].shape[0] != 0  # col_lse: empty without the columns
+    path = (first_use.rows_of(teacher_rows), want_columns, teacher_grad)  # the kernel variant (first-use check)
+    algorithm = first_use.resolve("distill_lse", algorithm, rows.device, ALGORITHMS, rows.dtype, teacher_rows.dtype,
+                                  paths=(path,))
     budget = _workspace_bytes("distill_lse", rows.device, workspace_bytes)
     if algorithm == "torch":
         return distill_lse_backward_torch(grads, rows, cols, teacher_rows, teacher_cols, scale, teacher_scale,

@@ -123,13 +123,18 @@ def siglip_sum(rows, cols, scale, bias=None, pos_offset=0, *, row_ids=None, col_
     scale = check_logit_scalar(fn, "scale", scale, rows)
     if bias is not None:
         bias = check_logit_scalar(fn, "bias", bias, rows)
-    algorithm = first_use.resolve(fn, algorithm, rows.device, ALGORITHMS, rows.dtype)
-    budget = _workspace.workspace_bytes(fn, rows.device, workspace_bytes)
     scalars = (scale,) + ((bias,) if bias is not None else ())
     with_grad = lambda *features: torch.is_grad_enabled() and any(t.requires_grad for t in features + scalars)  # noqa: E731
+    has_extra_cols = extra_cols is not None and extra_cols.shape[0] > 0
+    # the kernel variants the call runs (first-use check): its block, and the extra columns' block
+    ids = None if row_ids is None else targets
+    paths = ((first_use.rows_of(rows), ids, pos_offset is not None, with_grad(rows, cols)),)
+    paths += ((first_use.rows_of(rows), None, False, with_grad(rows, extra_cols)),) if has_extra_cols else ()
+    algorithm = first_use.resolve(fn, algorithm, rows.device, ALGORITHMS, rows.dtype, paths=paths)
+    budget = _workspace.workspace_bytes(fn, rows.device, workspace_bytes)
     loss = _sum(rows, cols, scale, bias, pos_offset, with_grad(rows, cols), row_ids, col_ids, targets == "mask",
                 algorithm, budget)
-    if extra_cols is not None and extra_cols.shape[0] > 0:
+    if has_extra_cols:
         loss = loss + _sum(rows, extra_cols, scale, bias, None, with_grad(rows, extra_cols), None, None, False,
                            algorithm, budget)
     return loss
@@ -147,7 +152,9 @@ def siglip_block(rows, cols, scale, bias, pos_offset, with_grad, *, row_ids=None
     check_bool("siglip_block", "mask_same_ids", mask_same_ids)
     if row_ids is not None or col_ids is not None:
         check_targets("siglip_block", "mask" if mask_same_ids else "multi", rows, cols, row_ids, col_ids)
-    algorithm = first_use.resolve("siglip_sum", algorithm, rows.device, ALGORITHMS, rows.dtype)
+    ids = None if row_ids is None else "mask" if mask_same_ids else "multi"
+    path = (first_use.rows_of(rows), ids, pos_offset is not None, with_grad)
+    algorithm = first_use.resolve("siglip_sum", algorithm, rows.device, ALGORITHMS, rows.dtype, paths=(path,))
     budget = _workspace.workspace_bytes("siglip_sum", rows.device, workspace_bytes)
     with torch.no_grad():
         if algorithm == "torch":

@@ -10,7 +10,7 @@
 #include <limits>
 
 #include "../chunked/chunk_driver.h"
-#include "../env_vars.h"
+#include "../chunked/forward_rows.h"
 #include "contrastive_lse_chunked_kernels.cuh"
 #include "dispatch_features.h"
 #include "fp16_prescale.h"
@@ -27,23 +27,17 @@ constexpr int64_t kForwardBytesPerLogit = 5;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// The forward kernel variant (docs/fused_loss_cuda.md, "Resources per kernel"): rows per CTA.
-// The GPU check benchmarks both; making the faster one the default is this one line.
-constexpr int kDefaultForwardRows = k::kForwardRowsWide;
-
 // The grid's y dimension (row blocks) is at most 65535.
-constexpr int64_t kMaxRowBlocks = 65535;
+constexpr int64_t kMaxRowBlocks = launch::kChunkedMaxRowBlocks;
 
-// kDefaultForwardRows, unless CLIPSHARD_CHUNKED_FORWARD_ROWS is "16" or "32" (a benchmark knob,
-// read through env_vars.h at every call so that one process can time both variants). Past the
-// 16-row variant's 65535 * 16 rows the 32-row variant runs, so that the forward takes every M the
-// backward takes (65535 * kRowsPerCta = 2,097,120 rows).
-int forward_rows_per_cta(int64_t M) {
-  static_assert(k::kForwardRowsWide == k::kRowsPerCta, "forward and backward row limits agree");
-  const auto choice = env::choice("CLIPSHARD_CHUNKED_FORWARD_ROWS", {"16", "32"});
-  const int rows = !choice ? kDefaultForwardRows : *choice == 0 ? k::kForwardRowsNarrow : k::kForwardRowsWide;
-  return M > kMaxRowBlocks * rows ? k::kForwardRowsWide : rows;
-}
+// The forward kernel variant (docs/fused_loss_cuda.md, "Resources per kernel"): rows per CTA, from
+// chunked::forward_rows_per_cta (csrc/chunked/forward_rows.h: CLIPSHARD_CHUNKED_FORWARD_ROWS, the
+// default of launch_config.h, the wide variant past the narrow one's 65535 * 16 rows), which the
+// first-use check queries too. The GPU check benchmarks both variants.
+static_assert(k::kForwardRowsWide == launch::kChunkedForwardRowsWide &&
+                  k::kForwardRowsNarrow == launch::kChunkedForwardRowsNarrow,
+              "the kernels' variants are launch_config.h's");
+static_assert(k::kForwardRowsWide == k::kRowsPerCta, "forward and backward row limits agree");
 
 // Row blocks of rows_per_cta rows: the grid's y dimension.
 unsigned row_blocks(const char* fn, int64_t M, int rows_per_cta) {
@@ -115,7 +109,7 @@ std::tuple<Tensor, Tensor, Tensor> forward_chunked(const Tensor& rows, const Ten
 std::tuple<Tensor, Tensor, Tensor> contrastive_lse_forward_chunked_cuda(
     const Tensor& rows, const Tensor& cols, const Tensor& scale, int64_t pos_offset, const Tensor& row_ids,
     const Tensor& col_ids, bool want_col_lse, int64_t workspace_bytes) {
-  if (forward_rows_per_cta(rows.size(0)) == k::kForwardRowsNarrow)
+  if (chunked::forward_rows_per_cta(rows.size(0)) == k::kForwardRowsNarrow)
     return forward_chunked<k::kForwardRowsNarrow>(rows, cols, scale, pos_offset, row_ids, col_ids, want_col_lse,
                                                   workspace_bytes);
   return forward_chunked<k::kForwardRowsWide>(rows, cols, scale, pos_offset, row_ids, col_ids, want_col_lse,

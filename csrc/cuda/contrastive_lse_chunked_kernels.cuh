@@ -26,7 +26,7 @@ constexpr int kRowsPerCta = 32;  // rows per CTA of chunk_grad_kernel
 
 // The two variants of chunk_forward_kernel (docs/fused_loss_cuda.md, "Resources per kernel"): 32
 // row states per thread (160 registers: one 256-thread CTA per SM) or 16 (two CTAs per SM, no
-// spills). contrastive_lse_chunked.cu picks one (kDefaultForwardRows there).
+// spills). contrastive_lse_chunked.cu picks one (launch_config.h's rule).
 constexpr int kForwardRowsWide = 32;
 constexpr int kForwardRowsNarrow = 16;
 // CTAs per SM that __launch_bounds__ asks the compiler to fit for a forward variant.

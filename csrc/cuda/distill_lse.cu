@@ -17,6 +17,7 @@
 
 #include "../chunked/chunk_driver.h"
 #include "../distill_args.h"
+#include "clipshard/launch_config.h"
 #include "dispatch_features.h"
 #include "distill_lse_kernels.cuh"
 #include "fp16_prescale.h"
@@ -28,6 +29,9 @@ using at::Tensor;
 namespace k = distill_cuda;
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+static_assert(k::kMaxLaunchTeachers == launch::kDistillMaxLaunchTeachers,
+              "distill_forward_kernel<1> and <2> are launch_config.h's variants");
 
 // The grid's y dimension for blocks of rows_per_cta rows: one CTA row per block up to 65535, then
 // each CTA takes every gridDim.y-th block (the kernels loop), so that M has no limit.
@@ -106,7 +110,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> distill_lse_c
     chunked::mm_into(s, rows, cols.narrow(0, begin, width).t());
     // Teachers two per launch, so that the student's chunk is read ceil(T / 2) times.
     for (int64_t t0 = 0; t0 < T; t0 += k::kMaxLaunchTeachers) {
-      const int64_t n = std::min<int64_t>(k::kMaxLaunchTeachers, T - t0);
+      const int n = launch::distill_launch_teachers(T, t0);  // the first-use check queries this rule too
       for (int64_t t = t0; t < t0 + n; ++t) {
         Tensor d = chunked::workspace_view(teacher_dots[t], M, width);
         chunked::mm_into(d, teacher_rows[t], teacher_cols[t].narrow(0, begin, width).t());

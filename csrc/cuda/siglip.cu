@@ -20,6 +20,7 @@
 
 #include "../chunked/chunk_driver.h"
 #include "../siglip_args.h"
+#include "clipshard/launch_config.h"
 #include "dispatch_features.h"
 #include "fp16_prescale.h"
 #include "siglip_kernels.cuh"
@@ -43,13 +44,11 @@ struct Ids {
   bool mask_same_ids;
 };
 
-// Rows per CTA of the kernel with ids: the most (up to kIdRows, fewer id loads) that still leave
-// four CTAs per SM, so that small batches keep the whole GPU streaming.
+// Rows per CTA of the kernel with ids: launch_config.h's rule for this GPU's SM count (the first-use
+// check queries the same rule through csrc/launch_variants.cpp).
 int ids_rows_per_cta(int64_t M) {
-  const int64_t ctas_wanted = 4 * int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
-  int rows = k::kIdRows;
-  while (rows > 1 && (M + rows - 1) / rows < ctas_wanted) rows /= 2;
-  return rows;
+  static_assert(k::kIdRows == launch::kSiglipMaxIdRows, "the kernel's row states are launch_config.h's");
+  return launch::siglip_ids_rows_per_cta(M, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
 }
 
 template <typename DL, bool kGrad>

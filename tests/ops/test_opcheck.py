@@ -174,6 +174,10 @@ CASES = {
     "clipshard::stochastic_round_into": _stochastic_round_into,
     "clipshard_testing::philox_words": _philox_words,
     "clipshard::_addmm_accepts_fp32_accumulator": _addmm_probe,
+    # the launch rules the first-use check queries (sizes in, a variant out; no tensors, any device)
+    "clipshard::_chunked_forward_rows_per_cta": lambda device: [(67,), (1 << 22,)],
+    "clipshard::_siglip_ids_rows_per_cta": lambda device: [(67, 132), (4217, 132)],
+    "clipshard::_distill_launch_teachers": lambda device: [(1,), (3,)],
     "clipshard::adamw_step_": _adamw_step,
     "clipshard::contrastive_lse_forward": _contrastive_lse_forward,
     "clipshard::contrastive_lse_backward": _contrastive_lse_backward,
@@ -181,7 +185,8 @@ CASES = {
     "clipshard::distill_lse": _distill_lse,
     "clipshard::distill_lse_backward": _distill_lse_backward,
 }
-# philox_words is a CPU test helper; every other op has a CUDA kernel or (the addmm probe) a CUDA answer.
+# philox_words is a CPU test helper; every other op has a CUDA kernel or (the addmm probe, the launch
+# rules) a CUDA answer.
 CUDA_CASES = sorted(set(CASES) - {"clipshard_testing::philox_words"})
 
 
