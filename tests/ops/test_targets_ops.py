@@ -1,5 +1,5 @@
 """Sample ids, targets "mask" / "multi" and extra columns (hard negatives) in the block ops
-(contrastive_lse, contrastive_lse_backward, siglip_sum, siglip_block, same_id_logit_sums), against the
+(contrastive_lse, contrastive_lse_backward, siglip_sum, siglip_block, other_same_id_logit_sums), against the
 materialised fp64 references of tests/references/targets.py: values and the gradients of a loss-like
 scalar (upstream weights around 0.5 / M) with respect to rows, cols, extra_cols, scale and bias, in
 fp64 and fp32, over several column chunks; all ids equal, all distinct (bit-equal to the call
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from clipshard.ops.contrastive_lse import contrastive_lse, contrastive_lse_backward
-from clipshard.ops.same_id import same_id_logit_sums
+from clipshard.ops.same_id import other_same_id_logit_sums
 from clipshard.ops.siglip_sum import siglip_block, siglip_sum
 from tests.references.similarity import similarity_reference
 from tests.references.targets import contrastive_block_terms, siglip_block_sum
@@ -138,16 +138,12 @@ def test_contrastive_lse_matches_reference(case, dtype, targets, algorithm):
 @pytest.mark.parametrize("targets", ["mask", "multi"])
 def test_contrastive_distinct_ids_bit_equal_to_no_ids(targets, algorithm):
     """All ids distinct: "mask" excludes nothing and "multi"'s only positive is the own pair, so the
-    call gives the call without ids (same algorithm as the ids call takes)."""
+    call gives the call without ids, bit for bit (same algorithm as the ids call takes)."""
     case = (37, 301, 19, 11, 14.3, 0.75, 1, "distinct", 0)
     with_ids, grads_ids, _ = run_contrastive(case, torch.float32, targets, algorithm)
     without, grads_without, _ = run_contrastive(case, torch.float32, None, algorithm, use_ids=False)
-    if targets == "mask":
-        for got, ref in zip(with_ids + grads_ids, without + grads_without):
-            assert torch.equal(got, ref)
-    else:  # the LSEs are bit-equal; the positive is computed by same_id_logit_sums
-        assert torch.equal(with_ids[0], without[0]) and torch.equal(with_ids[2], without[2])
-        assert_close(with_ids[1], without[1].double(), 1e-6, "pos_logit")
+    for got, ref in zip(with_ids + grads_ids, without + grads_without):
+        assert torch.equal(got, ref)
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -189,14 +185,16 @@ def test_contrastive_lse_backward_with_ids(case, dtype, algorithm):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_same_id_logit_sums(case, dtype):
+def test_other_same_id_logit_sums(case, dtype):
     m, k, d, pos, scale, bias, workspace, kind, h = case
     rows, cols, _, s, b, row_ids, col_ids = block_inputs(case, dtype)
     got_leaves = leaves(rows, cols, s, b)
-    got = same_id_logit_sums(*got_leaves, row_ids, col_ids)
+    got = other_same_id_logit_sums(*got_leaves, row_ids, col_ids, pos)
     ref_leaves = leaves(rows, cols, s, b, double=True)
     logits = similarity_reference(*ref_leaves)
     same = row_ids[:, None] == col_ids[None, :]
+    if pos is not None:  # the own pairs are left out
+        same[torch.arange(m), pos + torch.arange(m)] = False
     masked = torch.where(same, logits, torch.zeros_like(logits))
     ref = (masked.sum(1), same.sum(1).double(), masked.sum(0), same.sum(0).double())
     acc = torch.float64 if dtype == torch.float64 else torch.float32
@@ -306,5 +304,8 @@ def test_ids_need_targets_for_contrastive_only():
                                  row_ids=ids["row_ids"], col_ids=ids["col_ids"][:3])
     with pytest.raises(TypeError, match="siglip_block: mask_same_ids must be True or False"):
         siglip_block(rows, cols, torch.tensor(1.0), None, 0, False, mask_same_ids="yes")
-    with pytest.raises(ValueError, match="same_id_logit_sums: row_ids must be a 1-D int64 tensor of length 6"):
-        same_id_logit_sums(rows, cols, 1.0, None, ids["col_ids"], ids["col_ids"])
+    with pytest.raises(ValueError, match="other_same_id_logit_sums: row_ids must be a 1-D int64 tensor of length 6"):
+        other_same_id_logit_sums(rows, cols, 1.0, None, ids["col_ids"], ids["col_ids"])
+    with pytest.raises(ValueError, match=r"other_same_id_logit_sums: pos_offset must be None or an int with 0 <= "
+                                         r"pos_offset <= K - M = 4, got 5"):
+        other_same_id_logit_sums(rows, cols, 1.0, None, ids["row_ids"], ids["col_ids"], 5)
