@@ -4,6 +4,8 @@ materialised fp64 references of tests/references/targets.py: values and the grad
 scalar (upstream weights around 0.5 / M) with respect to rows, cols, extra_cols, scale and bias, in
 fp64 and fp32, over several column chunks; all ids equal, all distinct (bit-equal to the call
 without ids), ~10% duplicates, no positives (pos_offset None), no extra columns (H = 0); bad inputs."""
+import math
+
 import pytest
 import torch
 
@@ -232,6 +234,39 @@ def test_siglip_sum_matches_reference(case, dtype, targets, algorithm):
     assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert_close(loss, ref.detach(), TOL[dtype], f"{case_id(case)} loss")
     assert_all_close(grads, ref_grads, TOL[dtype], ("d rows", "d cols", "d extra_cols", "d scale", "d bias"), case)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("non_finite", ["inf", "nan"])
+def test_siglip_mask_skips_a_dropped_pair_whatever_its_similarity(non_finite, device, algorithm):
+    """targets "mask": a dropped pair has no term on every path, not a term times 0: an fp32
+    similarity that overflows (Inf) or is Inf - Inf (NaN) there changes no loss and no gradient
+    (d scale was NaN on the torch path and on CUDA, finite on the CPU kernel)."""
+    m, k, d, pos, j = 6, 9, 5, 2, 7  # row 0's same-id column j is not its own (pos)
+    rows, cols = features(m, d, torch.float32, 0), features(k, d, torch.float32, 1)
+    rows[:, :2], cols[:, :2] = 0.0, 0.0  # only row 0 and column j use the first two dimensions
+    big = 1e20  # 1e40 overflows fp32, not fp64
+    rows[0, :2] = torch.tensor([big, big])
+    cols[j, :2] = torch.tensor([big, big if non_finite == "inf" else -big])
+    row_ids = torch.arange(m) + 100
+    col_ids = torch.arange(k) + 200
+    col_ids[pos:pos + m] = row_ids
+    col_ids[j] = row_ids[0]
+    s, b = torch.tensor(10.0), torch.tensor(-3.0)
+    dot = (rows[0:1] @ cols[j:j + 1].T).item()
+    assert (dot == float("inf")) if non_finite == "inf" else math.isnan(dot)
+    got_leaves = leaves(*(t.to(device) for t in (rows, cols, s, b)))
+    loss = siglip_sum(*got_leaves, pos, row_ids=row_ids.to(device), col_ids=col_ids.to(device), targets="mask",
+                      algorithm=algorithm)
+    got = [g.cpu() for g in grads_of(loss * (0.5 / m), got_leaves)]
+    loss = loss.detach().cpu()
+    ref_leaves = leaves(rows, cols, s, b, double=True)
+    ref = siglip_block_sum(*ref_leaves, pos, row_ids, col_ids, "mask")
+    ref_grads = grads_of(ref * (0.5 / m), ref_leaves)
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in got)
+    assert_close(loss, ref.detach(), 1e-5, "loss")
+    assert_all_close(got, ref_grads, 1e-5, ("d rows", "d cols", "d scale", "d bias"), (m, k, d, pos, 10, -3, 0, "", 0))
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
