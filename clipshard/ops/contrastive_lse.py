@@ -144,7 +144,8 @@ def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=Tru
     if targets == "multi":
         # the own pair's logit from the op, the other same-id pairs' from their group sums: with all
         # ids distinct the bits of the call without ids
-        row_sum, row_count, _, _ = other_same_id_logit_sums(rows, cols, scale, bias, row_ids, col_ids, pos_offset)
+        row_sum, row_count, _, _ = other_same_id_logit_sums(rows, cols, scale, bias, row_ids, col_ids, pos_offset,
+                                                            want_cols=False)
         pos_logit = mean_positive(None if pos_offset is None else pos_logit, row_sum, row_count)
     if extra_cols is not None and extra_cols.shape[0] > 0:
         extra_lse = _block(rows, extra_cols, scale, bias, None, False, None, None, algorithm, budget)[0]

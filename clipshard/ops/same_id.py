@@ -11,56 +11,83 @@ divide by 1 + count (`mean_positive`). With all ids distinct every sum here is a
 every gradient through it too, so "multi" then gives the bits of the loss without ids.
 
 By linearity no pair is visited: row i's sum is scale * rows_i . (sum of the columns with id a_i,
-minus its own column) + bias * count, O((M + K) D). The group sums are deterministic on every device
-and have static shapes (no torch.unique, no index_add, no host sync): the M + K ids are sorted once
-(stable); in sorted order an id group is a contiguous run, and a segmented scan (log2(M + K) rounds,
-each adding to every element the one `shift` places before it when both have the same id, a fixed
-tree of additions) leaves each run's total at its last element; a second scan, reversed, spreads the
-total over the run. The sort's permutation is undone by a gather whose backward is the inverse
-gather, never a scatter-add.
+minus its own column) + bias * count, O((M + K) D) time and memory. The sums by id are
+deterministic on every device and have static shapes (no torch.unique, no index_add, no host
+sync): the columns are sorted by id once (stable), so that an id's columns are a contiguous run; a
+segmented scan (shifted adds within tiles, then across them: a fixed tree of additions) leaves
+each run's total at its last element, and a row takes the total at the last position of its id
+(searchsorted; zero if its id has no column). Its backward is the same computation with rows and
+columns swapped, so no gather there ever needs its scatter-add backward. The counts come from the
+same searchsorted, exactly.
 """
 import torch
+import torch.nn.functional as F
 
 from clipshard.ops.inputs import _BLOCK, accumulate_dtype, check_ids, check_logit_scalar
 
 
-class _Permute(torch.autograd.Function):
-    """values[order] with the backward grad[inverse] (order a permutation, inverse its inverse):
-    index_select's own backward is index_add, float atomics on CUDA."""
+_TILE = 32  # elements per tile of the two-level scan
+
+
+def _scan_runs(values, sorted_ids):
+    """Each element's sum of its run's elements up to itself (values N x W in the order of the
+    non-decreasing sorted_ids [N]), so that a run's last element holds the run's total; a new tensor.
+
+    Two levels, a fixed tree of additions either way: within tiles of _TILE elements, log2(_TILE)
+    rounds in which every element adds the one d places before it when both have the same id (after
+    the round with shift d, element i holds the sum of its run's elements in (i - 2d, i]); across
+    tiles, the tiles' last elements are scanned the same way (recursively), and a tile's first run
+    adds the sum its id has in the tiles before. A run of one element only ever has zeros added."""
+    n, width = values.shape
+    tiles, pad = -(-n // _TILE), -n % _TILE
+    # the padding continues the last run with zeros, which change no sum
+    x = F.pad(values, (0, 0, 0, pad)).view(tiles, _TILE, width)
+    ids = torch.cat([sorted_ids, sorted_ids[-1:].expand(pad)]).view(tiles, _TILE)
+    shift = 1
+    while shift < _TILE:
+        same = (ids[:, shift:] == ids[:, :-shift]).unsqueeze(2)
+        x[:, shift:] += torch.where(same, x[:, :-shift], 0.0)  # the right side is read before the add
+        shift *= 2
+    if tiles > 1:
+        last_ids = ids[:, -1]
+        before = _scan_runs(x[:, -1], last_ids)[:-1]  # per tile: its last id's sum up to its end
+        continues = (last_ids[:-1] == ids[1:, 0]).unsqueeze(1) & (ids[1:] == ids[1:, :1])
+        x[1:] += torch.where(continues.unsqueeze(2), before.unsqueeze(1), 0.0)
+    return x.view(tiles * _TILE, width)[:n]
+
+
+def _sums_by_id(values, ids, query_ids):
+    """For every query id [Q], the sum of the values (N x W) with that id; zero when there is none."""
+    if values.shape[0] == 0:
+        return values.new_zeros(query_ids.shape[0], values.shape[1])
+    sorted_ids, order = torch.sort(ids, stable=True)
+    totals = _scan_runs(values.index_select(0, order), sorted_ids)  # each run's total at its end
+    last = (torch.searchsorted(sorted_ids, query_ids, right=True) - 1).clamp(min=0)
+    found = sorted_ids.index_select(0, last) == query_ids
+    return torch.where(found.unsqueeze(1), totals.index_select(0, last), 0.0)
+
+
+class _SumsById(torch.autograd.Function):
+    """_sums_by_id with its own backward: d values_j = the sum of the queries' gradients with id
+    ids[j], the same computation with the roles of ids and query_ids swapped (never the scatter-add
+    backward of the gathers inside)."""
 
     @staticmethod
-    def forward(ctx, values, order, inverse):
-        ctx.save_for_backward(inverse)
-        return values.index_select(0, order)
+    def forward(ctx, values, ids, query_ids):
+        ctx.save_for_backward(ids, query_ids)
+        return _sums_by_id(values, ids, query_ids)
 
     @staticmethod
     def backward(ctx, grad):
-        inverse, = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
+        ids, query_ids = ctx.saved_tensors
+        return _sums_by_id(grad, query_ids, ids), None, None
 
 
-def _run_totals(values, sorted_ids):
-    """For every element of `values` (N x W, in the order of the non-decreasing sorted_ids [N]) the
-    sum of its run of equal ids. A run of one element is returned exactly (nothing is added to it)."""
-    n = values.shape[0]
-    # forward scan: after the round with shift d, element i holds the sum of its run's elements in
-    # (i - 2d, i]; the run's last element ends with the run's total
-    partial, shift = values, 1
-    while shift < n:
-        same = (sorted_ids[shift:] == sorted_ids[:-shift]).unsqueeze(1)
-        tail = partial[shift:]
-        partial = torch.cat([partial[:shift], torch.where(same, tail + partial[:-shift], tail)])
-        shift *= 2
-    last = torch.cat([sorted_ids[1:] != sorted_ids[:-1], sorted_ids.new_ones(min(n, 1), dtype=torch.bool)])
-    spread = torch.where(last.unsqueeze(1), partial, torch.zeros_like(partial))
-    # reversed scan over zeros and one total per run: every element gets its run's total
-    shift = 1
-    while shift < n:
-        same = (sorted_ids[:-shift] == sorted_ids[shift:]).unsqueeze(1)
-        head = spread[:-shift]
-        spread = torch.cat([torch.where(same, head + spread[shift:], head), spread[-shift:]])
-        shift *= 2
-    return spread
+def _counts_by_id(ids, query_ids, dtype):
+    """For every query id, how many of `ids` equal it (as floats of `dtype`)."""
+    sorted_ids = torch.sort(ids).values
+    right = torch.searchsorted(sorted_ids, query_ids, right=True)
+    return (right - torch.searchsorted(sorted_ids, query_ids)).to(dtype)
 
 
 def _own_pairs(row_ids, col_ids, pos_offset, k):
@@ -70,16 +97,17 @@ def _own_pairs(row_ids, col_ids, pos_offset, k):
     if pos_offset is None:
         return row_ids.new_zeros(m, dtype=torch.bool), col_ids.new_zeros(k, dtype=torch.bool)
     own_row = row_ids == col_ids[pos_offset:pos_offset + m]
-    return own_row, torch.nn.functional.pad(own_row, (pos_offset, k - m - pos_offset))
+    return own_row, F.pad(own_row, (pos_offset, k - m - pos_offset))
 
 
-def other_same_id_logit_sums(rows, cols, scale, bias, row_ids, col_ids, pos_offset=None):
+def other_same_id_logit_sums(rows, cols, scale, bias, row_ids, col_ids, pos_offset=None, want_cols=True):
     """(row_sum [M], row_count [M], col_sum [K], col_count [K]): per row the sum of its logits with the
     other columns of its id (its own column pos_offset + i left out) and their number, per column
     likewise with the rows, in the accumulation dtype (fp32; fp64 for fp64 features), counts as
     floats. rows M x D, cols K x D, scale and bias floats or one-element tensors (bias may be None),
     row_ids [M] / col_ids [K] int64 on the rows' device, pos_offset None or 0 <= pos_offset <= K - M.
-    Differentiable in rows, cols, scale and bias; deterministic, no host sync."""
+    want_cols=False: the columns' sum and count are not computed (None). Differentiable in rows,
+    cols, scale and bias; deterministic, no host sync."""
     fn = "other_same_id_logit_sums"
     _BLOCK.check(fn, rows, cols)
     check_ids(fn, "row_ids", row_ids, rows.shape[0], rows.device)
@@ -92,30 +120,25 @@ def other_same_id_logit_sums(rows, cols, scale, bias, row_ids, col_ids, pos_offs
     s = check_logit_scalar(fn, "scale", scale, rows).to(acc)
     b = None if bias is None else check_logit_scalar(fn, "bias", bias, rows).to(acc)
     r, c = rows.to(acc), cols.to(acc)
-    # one element per row and per column: (column features, row features, column count, row count),
-    # each filled by its own kind, so that a run's total holds both groups' sums
-    ones = lambda n: r.new_ones(n, 1)  # noqa: E731
-    zeros = lambda n, w: r.new_zeros(n, w)  # noqa: E731
-    values = torch.cat([torch.cat([zeros(m, d), r, zeros(m, 1), ones(m)], 1),
-                        torch.cat([c, zeros(k, d), ones(k), zeros(k, 1)], 1)])
-    sorted_ids, order = torch.sort(torch.cat([row_ids, col_ids]), stable=True)
-    inverse = torch.argsort(order)
-    totals = _Permute.apply(_run_totals(_Permute.apply(values, order, inverse), sorted_ids), inverse, order)
+    col_totals = _SumsById.apply(c, col_ids, row_ids)  # per row: the columns with its id
     own_row, own_col = _own_pairs(row_ids, col_ids, pos_offset, k)
     # leave the own pair out: its column (row) is subtracted from the group's sum, exactly zero for a
     # group of one
-    own_cols = c[pos_offset:pos_offset + m] if pos_offset is not None else zeros(m, d)
-    own_rows = torch.nn.functional.pad(r, (0, 0, pos_offset, k - m - pos_offset)) if pos_offset is not None \
-        else zeros(k, d)
-    row_group, col_group = totals[:m, :d], totals[m:, d:2 * d]
-    row_group = torch.where(own_row.unsqueeze(1), row_group - own_cols, row_group)
-    col_group = torch.where(own_col.unsqueeze(1), col_group - own_rows, col_group)
-    row_count = totals[:m, 2 * d] - own_row.to(acc)
-    col_count = totals[m:, 2 * d + 1] - own_col.to(acc)
+    own_cols = c[pos_offset:pos_offset + m] if pos_offset is not None else r.new_zeros(m, d)
+    row_group = torch.where(own_row.unsqueeze(1), col_totals - own_cols, col_totals)
+    row_count = _counts_by_id(col_ids, row_ids, acc) - own_row.to(acc)
     row_sum = (r * row_group).sum(1) * s
+    if b is not None:
+        row_sum = row_sum + b * row_count
+    if not want_cols:
+        return row_sum, row_count, None, None
+    row_totals = _SumsById.apply(r, row_ids, col_ids)  # per column: the rows with its id
+    own_rows = F.pad(r, (0, 0, pos_offset, k - m - pos_offset)) if pos_offset is not None else c.new_zeros(k, d)
+    col_group = torch.where(own_col.unsqueeze(1), row_totals - own_rows, row_totals)
+    col_count = _counts_by_id(row_ids, col_ids, acc) - own_col.to(acc)
     col_sum = (c * col_group).sum(1) * s
     if b is not None:
-        row_sum, col_sum = row_sum + b * row_count, col_sum + b * col_count
+        col_sum = col_sum + b * col_count
     return row_sum, row_count, col_sum, col_count
 
 

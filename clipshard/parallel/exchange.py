@@ -91,7 +91,7 @@ def exchange_partial(image, text, scale, bias, layout, algorithm="auto", pairs=P
         extra_cols=cdist.gather_negatives(pairs.hard_negatives, layout), algorithm=algorithm)
     if multi:
         row_sum, row_count, col_sum, col_count = other_same_id_logit_sums(image, cols, scale, bias, ids, col_ids,
-                                                                          layout.offset)
+                                                                          layout.offset, want_cols=pairs.both)
         own, pos = pos, mean_positive(pos, row_sum, row_count)
     partial = (row_lse - pos).sum()
     if not pairs.both:

@@ -146,16 +146,17 @@ def _calls(rank, world_size, m):
         yield f"GradCache(SigLipLoss) {targets}", _grad_cache(clipshard.SigLipLoss(), m, ids, targets)
         yield f"sentence-transformers {targets}", _sentence_transformers(rank, world_size, m, ids, targets)
     # and without ids: every loss's plain path (and the distillation loss, which takes no ids)
-    for mode in ("exchange", "local", "ring"):
-        module = clipshard.ClipLoss(rank=rank, world_size=world_size, mode=mode)
-        yield f"ClipLoss({mode}) without ids", run(lambda i, t, h, s, b: module(i, t, s))
-    for mode in ("gather", "ring"):
-        module = clipshard.SigLipLoss(rank=rank, world_size=world_size, mode=mode)
-        yield f"SigLipLoss({mode}) without ids", run(lambda i, t, h, s, b: module(i, t, s, b))
-    for mode in ("exchange", "local", "ring"):
-        module = clipshard.DistillClipLoss(rank=rank, world_size=world_size, mode=mode)
-        yield (f"DistillClipLoss({mode})",
-               run(lambda i, t, h, s, b: sum(module(i, t, s, t.detach() * 0.5 + 0.1, i.detach(), 7.0))))
+    for algorithm in ("auto", "torch"):
+        for mode in ("exchange", "local", "ring"):
+            module = clipshard.ClipLoss(rank=rank, world_size=world_size, mode=mode, algorithm=algorithm)
+            yield f"ClipLoss({mode}, {algorithm}) without ids", run(lambda i, t, h, s, b: module(i, t, s))
+        for mode in ("gather", "ring"):
+            module = clipshard.SigLipLoss(rank=rank, world_size=world_size, mode=mode, algorithm=algorithm)
+            yield f"SigLipLoss({mode}, {algorithm}) without ids", run(lambda i, t, h, s, b: module(i, t, s, b))
+        for mode in ("exchange", "local", "ring"):
+            module = clipshard.DistillClipLoss(rank=rank, world_size=world_size, mode=mode, algorithm=algorithm)
+            yield (f"DistillClipLoss({mode}, {algorithm})",
+                   run(lambda i, t, h, s, b: sum(module(i, t, s, t.detach() * 0.5 + 0.1, i.detach(), 7.0))))
 
 
 def _grad_cache(loss_fn, m, ids, targets):
