@@ -12,7 +12,8 @@ kernel (clipshard/ops/portable_lse.py, docs/portable.md).
 
 Sample ids and hard negatives (docs/targets.md): targets "mask" drops the same-id pairs other than
 the own pair from both LSEs (inside the op), "multi" keeps every pair in the LSEs and returns the
-mean logit of each row's same-id columns as its positive (clipshard/ops/same_id.py), and extra
+mean logit of the own pair and each row's other same-id columns as its positive
+(clipshard/ops/same_id.py), and extra
 columns join the row LSEs through a second op call merged with logaddexp.
 """
 import torch
@@ -24,7 +25,7 @@ from clipshard.ops.inputs import (accumulate_dtype, check_block_features, check_
 from clipshard.ops._workspace import workspace_bytes as _workspace_bytes
 from clipshard.ops.no_autocast import autocast_off
 from clipshard.ops.portable_lse import contrastive_lse_backward_torch, contrastive_lse_torch
-from clipshard.ops.same_id import same_id_logit_sums
+from clipshard.ops.same_id import mean_positive, other_same_id_logit_sums
 
 ALGORITHMS = ("auto", "fused", "chunked", "torch")
 
@@ -90,12 +91,6 @@ def _block(rows, cols, scale, bias, pos_offset, want_col_lse, row_ids, col_ids, 
                                                        row_ids, col_ids, want_col_lse, algorithm, budget)
 
 
-def mean_positive(logit_sum, count):
-    """logit_sum / count, NaN where count is 0 (a row without positives), with a zero gradient there."""
-    mean = logit_sum / count.clamp(min=1.0)
-    return torch.where(count > 0, mean, torch.full_like(mean, float("nan")))
-
-
 @autocast_off
 def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=True, *, row_ids=None, col_ids=None,
                     targets=None, extra_cols=None, algorithm="auto", workspace_bytes=None):
@@ -115,7 +110,8 @@ def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=Tru
         targets: None (without ids), "mask" (the same-id pairs other than the own pair leave both
             the row and the column LSEs, as if their logit were -inf; pos_logit is the own pair's)
             or "multi" (the LSEs over every pair, as without ids; pos_logit[i] is the mean logit of
-            the columns with row i's id, NaN when there is none).
+            the own pair and the other columns with row i's id, NaN when pos_offset is None and
+            there is none).
         extra_cols: optional H x D extra columns (hard negatives; H >= 0, same dtype, device and D as
             cols): they join the row LSEs only, never masked, never positives, no column LSE.
         algorithm: "auto" (default: "fused" on the CPU, "chunked" on CUDA when the extension has
@@ -153,8 +149,11 @@ def contrastive_lse(rows, cols, scale, bias=None, pos_offset=0, want_col_lse=Tru
     row_lse, pos_logit, col_lse = _block(rows, cols, scale, bias, pos_offset, want_col_lse, *mask_ids, algorithm,
                                          budget)
     if targets == "multi":
-        row_sum, row_count, _, _ = same_id_logit_sums(rows, cols, scale, bias, row_ids, col_ids)
-        pos_logit = mean_positive(row_sum, row_count)
+        # the own pair's logit from the op, the other same-id pairs' from their group sums: with all
+        # ids distinct the bits of the call without ids
+        row_sum, row_count, _, _ = other_same_id_logit_sums(rows, cols, scale, bias, row_ids, col_ids, pos_offset,
+                                                            want_cols=False)
+        pos_logit = mean_positive(None if pos_offset is None else pos_logit, row_sum, row_count)
     if has_extra_cols:
         extra_lse = _block(rows, extra_cols, scale, bias, None, False, None, None, algorithm, budget)[0]
         row_lse = torch.logaddexp(row_lse, extra_lse)

@@ -17,7 +17,8 @@ the logits and softplus's output (or the dl * dots product), plus dl rounded to 
 GEMMs take 16-bit factors; without a gradient the logits overwrite the dots (two buffers).
 
 Sample ids (row_ids, col_ids; docs/targets.md): per chunk an M x Kc boolean marks the same-id pairs
-other than the own pair. mask_same_ids: they have no term (their softplus and dl set to 0); else
+other than the own pair. mask_same_ids: they have no term (their softplus, dl and dl * dot set to 0,
+so that an Inf or NaN similarity there leaves no trace, as in the kernels); else
 they are positives (z = +1: t and dl multiplied by a -1/+1 sign buffer, one more M x Kc buffer).
 Both counted in the budget. Without ids the code path, and so every bit, is the one without them.
 """
@@ -71,7 +72,9 @@ def _forward(rows, cols, scale, bias, pos_offset, with_grad, budget, saved_dtype
                 dl.mul_(sign)
             elif same is not None:
                 dl.masked_fill_(same, 0.0)
-            grad_scale += (dl * dots).sum()
+            # a dropped pair adds nothing to d scale either, whatever its dot: 0 * Inf or NaN would
+            # be NaN (the rule of every path: a dropped pair is skipped, as if it were not there)
+            grad_scale += ((dl * dots).masked_fill_(same, 0.0) if mask_same_ids and with_ids else dl * dots).sum()
             grad_bias += dl.sum()
             gemms.add(dl, begin, width)
             del dl

@@ -26,8 +26,8 @@ import torch
 from dataclasses import dataclass
 
 from clipshard.parallel import collectives as cdist
-from clipshard.ops.contrastive_lse import contrastive_lse, mean_positive
-from clipshard.ops.same_id import same_id_logit_sums
+from clipshard.ops.contrastive_lse import contrastive_lse
+from clipshard.ops.same_id import mean_positive, other_same_id_logit_sums
 from clipshard.parallel.ring import ring_partial
 
 
@@ -64,12 +64,13 @@ def gather_ids(ids, layout):
     return None if ids is None else cdist.gather_rows(ids, layout, with_grad=False)
 
 
-def _column_mean_positives(col_sum, col_count, layout):
-    """targets "multi": for this rank's columns j, the mean over every rank's rows i with id c_j of
-    S_ij, from each rank's sums over its own rows for all NM columns, all-reduced (with grad)."""
+def _column_mean_positives(own, col_sum, col_count, layout):
+    """targets "multi": for this rank's columns j, the mean of S_jj (own: the own pairs' logits) and
+    of S_ij over the other rows i with id c_j of every rank, from each rank's sums over its own rows
+    (own pairs left out) for all NM columns, all-reduced (with grad)."""
     col_sum = cdist.all_reduce_sum_with_grad(col_sum, layout).narrow(0, layout.offset, layout.local_size)
     col_count = cdist.all_reduce_sum(col_count, layout).narrow(0, layout.offset, layout.local_size)
-    return col_sum / col_count
+    return mean_positive(own, col_sum, col_count)
 
 
 def exchange_partial(image, text, scale, bias, layout, algorithm="auto", pairs=PLAIN):
@@ -81,21 +82,23 @@ def exchange_partial(image, text, scale, bias, layout, algorithm="auto", pairs=P
         return (row_lse - pos).sum() + (col_lse - pos).sum()
     ids, col_ids = pairs.sample_ids, gather_ids(pairs.sample_ids, layout)
     multi = pairs.targets == "multi"
-    # "multi" keeps every pair in the LSEs: the op runs without ids, and one same_id_logit_sums
-    # gives both the rows' positives and this rank's share of the columns'
+    # "multi" keeps every pair in the LSEs: the op runs without ids (its positives are the own
+    # pairs'), and one other_same_id_logit_sums gives the other same-id pairs of both the rows and
+    # this rank's share of the columns'
     masked = {} if multi else dict(row_ids=ids, col_ids=col_ids, targets=pairs.targets)
     row_lse, pos, col_part = contrastive_lse(
         image, cols, scale, bias, layout.offset, pairs.both, **masked,
         extra_cols=cdist.gather_negatives(pairs.hard_negatives, layout), algorithm=algorithm)
     if multi:
-        row_sum, row_count, col_sum, col_count = same_id_logit_sums(image, cols, scale, bias, ids, col_ids)
-        pos = mean_positive(row_sum, row_count)
+        row_sum, row_count, col_sum, col_count = other_same_id_logit_sums(image, cols, scale, bias, ids, col_ids,
+                                                                          layout.offset, want_cols=pairs.both)
+        own, pos = pos, mean_positive(pos, row_sum, row_count)
     partial = (row_lse - pos).sum()
     if not pairs.both:
         return partial
     col_lse = cdist.combine_column_lse(col_part, layout).narrow(0, layout.offset, layout.local_size)
     # without "multi" the own pair: S_jj of this rank's column j = offset + i is local row i's
-    col_pos = _column_mean_positives(col_sum, col_count, layout) if multi else pos
+    col_pos = _column_mean_positives(own, col_sum, col_count, layout) if multi else pos
     return partial + (col_lse - col_pos).sum()
 
 

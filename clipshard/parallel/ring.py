@@ -26,10 +26,12 @@ with SigLIP's ring mode.
 
 Sample ids (docs/targets.md): the sample ids of a text block travel with it (and with its column LSE
 in the backward). Targets "mask": every block call gets the ids; the foreign blocks have no
-positives (pos_offset None), so that every same-id pair there leaves the LSEs. Targets "multi":
-the LSEs are those without ids; the positives (mean same-id logits of this rank's rows and of its
-columns over every rank's rows) come from a second pass (_RingSameIdSums) that adds up each block's
-same-id logit sums, the columns' sums travelling with their block like the column LSEs. Hard
+positives (pos_offset None), so that every same-id pair there leaves the LSEs, and are transposed
+exactly when they would be without ids. Targets "multi": the LSEs are those without ids; the
+positives (mean same-id logits of this rank's rows and of its columns over every rank's rows) are
+the own pairs' logits from the LSE pass and the other same-id pairs' sums from a second pass
+(_RingSameIdSums) that adds up each block's sums, the columns' sums travelling with their block like
+the column LSEs. With all ids distinct both targets give the bits of the loss without ids. Hard
 negatives are gathered (O(sum_r H_r D) per rank) and join the row LSEs outside the pass.
 """
 import torch
@@ -37,7 +39,7 @@ import torch
 from clipshard.parallel._ring_pass import Ring, Travelling, blocks
 from clipshard.ops.contrastive_lse import contrastive_lse, contrastive_lse_backward
 from clipshard.ops.inputs import accumulate_dtype
-from clipshard.ops.same_id import same_id_logit_sums
+from clipshard.ops.same_id import mean_positive, other_same_id_logit_sums
 from clipshard.parallel.collectives import gather_negatives
 
 
@@ -49,34 +51,34 @@ def _transposed(image, block, own):
 
 def _block_forward(image, block, scale, bias, own, algorithm, ids=None, block_ids=None):
     """(row LSE part [M], positives [M] (own block only, else None), column LSE part [K]). With ids
-    (targets "mask"), a foreign block has no positives (pos_offset None) instead of being transposed."""
-    if ids is not None:
-        row, pos, col = contrastive_lse(image, block, scale, bias, 0 if own else None, True, row_ids=ids,
-                                        col_ids=block_ids, targets="mask", algorithm=algorithm)
-        return row, (pos if own else None), col
+    (targets "mask") a foreign block has no positives (pos_offset None): its same-id pairs all
+    leave the LSEs. It is transposed exactly when it would be without ids, so that with all ids
+    distinct every block does the same floating-point operations as without ids."""
+    pos_offset = 0 if own or ids is None else None
+    mask = {} if ids is None else dict(targets="mask")
     if _transposed(image, block, own):
-        col, _, row = contrastive_lse(block, image, scale, bias, 0, True, algorithm=algorithm)
+        col, _, row = contrastive_lse(block, image, scale, bias, pos_offset, True, row_ids=block_ids, col_ids=ids,
+                                      algorithm=algorithm, **mask)
         return row, None, col
-    row, pos, col = contrastive_lse(image, block, scale, bias, 0, True, algorithm=algorithm)
+    row, pos, col = contrastive_lse(image, block, scale, bias, pos_offset, True, row_ids=ids, col_ids=block_ids,
+                                    algorithm=algorithm, **mask)
     return row, (pos if own else None), col
 
 
 def _block_backward(image, block, scale, bias, row_lse, col_lse, g_row, g_pos, g_col, own, algorithm, ids=None,
                     block_ids=None):
     """(d image, d block, d scale, d bias) of one block given the full LSEs and their gradients."""
-    if ids is not None:
-        return contrastive_lse_backward(g_row, g_pos if own else g_row.new_zeros(image.shape[0]), g_col, image, block,
-                                        scale, bias, 0 if own else None, row_lse, col_lse, row_ids=ids,
-                                        col_ids=block_ids, algorithm=algorithm)
+    pos_offset = 0 if own or ids is None else None
     if _transposed(image, block, own):
         no_pos = g_col.new_zeros(block.shape[0])
         d_block, d_image, d_scale, d_bias = contrastive_lse_backward(
-            g_col, no_pos, g_row, block, image, scale, bias, 0, col_lse, row_lse, algorithm=algorithm)
+            g_col, no_pos, g_row, block, image, scale, bias, pos_offset, col_lse, row_lse, row_ids=block_ids,
+            col_ids=ids, algorithm=algorithm)
         return d_image, d_block, d_scale, d_bias
     if not own:
         g_pos = g_row.new_zeros(image.shape[0])
-    return contrastive_lse_backward(g_row, g_pos, g_col, image, block, scale, bias, 0, row_lse, col_lse,
-                                    algorithm=algorithm)
+    return contrastive_lse_backward(g_row, g_pos, g_col, image, block, scale, bias, pos_offset, row_lse, col_lse,
+                                    row_ids=ids, col_ids=block_ids, algorithm=algorithm)
 
 
 class _RingLSE(torch.autograd.Function):
@@ -130,11 +132,17 @@ class _RingLSE(torch.autograd.Function):
         return tuple(g if need else None for g, need in zip(grads, ctx.needs_input_grad[:4])) + (None, None, None)
 
 
+def _other_sums(image, block, scale, bias, ids, block_ids, step):
+    """The block's sums over its other same-id pairs (the own block's diagonal left out)."""
+    return other_same_id_logit_sums(image, block, scale, bias, ids, block_ids, 0 if step == 0 else None)
+
+
 class _RingSameIdSums(torch.autograd.Function):
     """Targets "multi": (sum of S_ij over the columns j of every rank with id a_i, for this rank's
-    rows i; their count; sum over the rows of every rank with id c_j, for this rank's columns j;
-    their count), from one pass of same_id_logit_sums per block. The counts carry no gradient.
-    Backward: a second pass, each block's gradients by autograd through same_id_logit_sums."""
+    rows i, the own pair left out; their count; sum over the rows of every rank with id c_j, for
+    this rank's columns j, likewise; their count), from one pass of other_same_id_logit_sums per
+    block. The counts carry no gradient. Backward: a second pass, each block's gradients by autograd
+    through other_same_id_logit_sums."""
 
     @staticmethod
     def forward(ctx, image, text, scale, bias, ids, layout):
@@ -142,7 +150,7 @@ class _RingSameIdSums(torch.autograd.Function):
         image = image.contiguous()
         column = Travelling(ring, lambda acc, part: part if acc is None else acc.add_(part))
         for step, block, block_ids in blocks(ring, text, ids):
-            rs, rc, cs, cc = same_id_logit_sums(image, block, scale, bias, ids, block_ids)
+            rs, rc, cs, cc = _other_sums(image, block, scale, bias, ids, block_ids, step)
             row_sum, row_count = (rs, rc) if step == 0 else (row_sum + rs, row_count + rc)
             column.fold(step, torch.stack([cs, cc], dim=1))  # K x 2: Travelling keeps the first dimension
         col_sum, col_count = column.result().unbind(1)
@@ -168,7 +176,7 @@ class _RingSameIdSums(torch.autograd.Function):
             block_leaf = block.detach().requires_grad_()
             leaves = [image_leaf, block_leaf, scale_leaf] + ([bias_leaf] if bias is not None else [])
             with torch.enable_grad():
-                rs, _, cs, _ = same_id_logit_sums(image_leaf, block_leaf, scale_leaf, bias_leaf, ids, block_ids)
+                rs, _, cs, _ = _other_sums(image_leaf, block_leaf, scale_leaf, bias_leaf, ids, block_ids, step)
                 grads = torch.autograd.grad((rs * g_row_sum).sum() + (cs * g_block).sum(), leaves)
             d_image += grads[0]
             d_scale += grads[2].double()
@@ -196,7 +204,9 @@ def ring_partial(image, text, scale, bias, layout, algorithm="auto", pairs=None)
         row_lse = torch.logaddexp(row_lse, extra)
     if pairs.targets == "multi":
         row_sum, row_count, col_sum, col_count = _RingSameIdSums.apply(image, text, scale, bias, ids, layout)
-        row_pos, col_pos = row_sum / row_count, col_sum / col_count
+        # the own pairs' logits from the LSE pass, the other same-id pairs' from the second pass: with
+        # all ids distinct the bits of the loss without ids
+        row_pos, col_pos = mean_positive(pos, row_sum, row_count), mean_positive(pos, col_sum, col_count)
     else:  # the own pairs (S_jj of this rank's column j = offset + i is local row i's)
         row_pos = col_pos = pos
     partial = (row_lse - row_pos).sum()

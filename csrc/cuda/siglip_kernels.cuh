@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(kThreads) siglip_ids_chunk_kernel(IdChunkParam
         dl = dropped ? 0.0f : dl;
         p.dlogits[at] = DL(gain * dl);
         sums[3 * r] += value;
-        sums[3 * r + 1] += dl * dot;
+        sums[3 * r + 1] += dropped ? 0.0f : dl * dot;  // not 0 * dot: an Inf or NaN dot there leaves no trace
         sums[3 * r + 2] += dl;
       } else {
         const float value = siglip_softplus(s * dot + b, z);

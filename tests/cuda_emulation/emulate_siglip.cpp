@@ -34,7 +34,8 @@ enum class Ids { kNone, kMulti, kMask };  // no ids; same-id pairs +1; same-id p
 struct Case {
   int64_t M, K, width, pos_offset;  // columns processed in chunks of `width`
   float scale, bias, prescale;
-  bool has_bias, nan_dot;           // nan_dot: one similarity of row 1 is NaN
+  bool has_bias, nan_dot;           // nan_dot: one similarity of row 1 is NaN (with ids "mask" also one
+                                    // of row 2 Inf: in pairs that are dropped when all ids are equal)
   Ids ids = Ids::kNone;
   int64_t distinct_ids = 0;         // ids drawn from [0, distinct_ids) (1: all equal)
   int rows_per_cta = k::kIdRows;    // of the kernel with ids
@@ -100,6 +101,7 @@ static bool run_case(const Case& c, std::mt19937& gen) {
   std::vector<float> dots(M * K);
   for (auto& v : dots) v = normal(gen);
   if (c.nan_dot) dots[1 * K + K / 2] = NAN;
+  if (c.nan_dot && c.ids == Ids::kMask) dots[2 * K + K / 3] = INFINITY;
   std::vector<int64_t> row_ids(M), col_ids(K);
   if (c.ids != Ids::kNone) {
     std::uniform_int_distribution<int64_t> draw(0, c.distinct_ids - 1);
@@ -126,8 +128,13 @@ static bool run_case(const Case& c, std::mt19937& gen) {
       const double dot = dots[i * K + j], z = positive || same ? 1.0 : -1.0;
       const double t = -z * (s * dot + b);
       const double e = std::exp(-std::fabs(t));
-      const double dl = dropped ? 0.0 : -z * (t >= 0 ? 1.0 : e) / (1.0 + e);
-      want_loss += dropped ? 0.0 : std::max(t, 0.0) + std::log1p(e);
+      if (dropped) {  // no term at all, whatever its dot (an Inf or NaN there leaves no trace)
+        if (kGrad) ok &= close(static_cast<float>(dlogits[i * K + j]), 0.0, 0.0, 0.0, "dlogits", i * K + j);
+        if (!ok) return false;
+        continue;
+      }
+      const double dl = -z * (t >= 0 ? 1.0 : e) / (1.0 + e);
+      want_loss += std::max(t, 0.0) + std::log1p(e);
       want_scale += dl * dot;
       want_bias += dl;
       if (kGrad) {
@@ -189,7 +196,8 @@ int main(int argc, char** argv) {
       // labels by id: a partial last CTA of rows (13 = 8 + 5), ~1 in 20 pairs same-id, ragged chunks
       {13, 700, 256, 300, 10.f, -10.f, 1.f, true, false, Ids::kMulti, 20},
       {13, 700, 256, 300, 10.f, -10.f, 1.f, true, false, Ids::kMask, 20, 3},  // 3 rows per CTA
-      {5, 300, 128, 0, 30.f, -5.f, 1.f, true, false, Ids::kMask, 1},    // all ids equal: only the positives
+      // all ids equal: only the positives; a NaN and an Inf similarity in dropped pairs
+      {5, 300, 128, 0, 30.f, -5.f, 1.f, true, true, Ids::kMask, 1},
       {9, 300, 128, 0, 100.f, 20.f, 1.f, false, false, Ids::kMulti, 1},  // all ids equal: every pair +1
       {9, 300, 128, kNoPositives, 10.f, -10.f, 1.f, true, false, Ids::kMask, 7},  // ids without positives
   };

@@ -9,7 +9,8 @@ only at the positives must give the bits of the kernel without ids). This checks
 indexing, positives, labels, reductions and prescale without a GPU; what only hardware shows (speed,
 the real GEMMs around them) is left to tests/ops/test_siglip_cuda.py and test_siglip_ids.py. Broken
 copies fail: one that keeps the positive's column in 32 bits (which turns the no-positives marker
-into a positive per row), one without the +1 label of same-id pairs, one that never drops them."""
+into a positive per row), one without the +1 label of same-id pairs, one that never drops them, one
+that adds a dropped pair's 0 * dot to d scale (NaN for an Inf or NaN similarity there)."""
 import subprocess
 
 import pytest
@@ -25,9 +26,10 @@ BROKEN = {
                        "const int pos = static_cast<int>(p.pos_offset + i - p.begin);"),
     "no_same_id_label": ("const float z = positive || same ? 1.0f : -1.0f;", "const float z = positive ? 1.0f : -1.0f;"),
     "no_mask": ("q.mask_same_ids;  // no term", "false;  // no term"),
+    "dropped_dot": ("sums[3 * r + 1] += dropped ? 0.0f : dl * dot;", "sums[3 * r + 1] += dl * dot;"),
 }
 # case indices in emulate_siglip.cpp
-NO_POSITIVES, IDS_MULTI, IDS_MASK = "4", "5", "6"
+NO_POSITIVES, IDS_MULTI, IDS_MASK, IDS_MASK_NON_FINITE = "4", "5", "6", "7"
 
 
 @pytest.fixture(scope="module")
@@ -54,12 +56,14 @@ def test_siglip_cuda_kernel_matches_double_reference_in_host_emulation(harnesses
     assert out.stdout.count("ids-multi") == 8 and out.stdout.count("ids-mask") == 12
 
 
-@pytest.mark.parametrize("broken, case, mark", [("int32_positive", NO_POSITIVES, "no-positives"),
-                                                ("no_same_id_label", IDS_MULTI, "ids-multi"),
-                                                ("no_mask", IDS_MASK, "ids-mask")])
-def test_siglip_emulation_catches_a_broken_kernel(harnesses, broken, case, mark):
+@pytest.mark.parametrize("broken, case, mark, still_ok", [("int32_positive", NO_POSITIVES, "no-positives", 0),
+                                                          ("no_same_id_label", IDS_MULTI, "ids-multi", 0),
+                                                          ("no_mask", IDS_MASK, "ids-mask", 0),
+                                                          # the loss-only pass has no d scale
+                                                          ("dropped_dot", IDS_MASK_NON_FINITE, "ids-mask", 1)])
+def test_siglip_emulation_catches_a_broken_kernel(harnesses, broken, case, mark, still_ok):
     out = run(harnesses[broken], case)
-    assert out.returncode != 0 and "MISMATCH" in out.stdout and mark not in out.stdout, out.stdout
+    assert out.returncode != 0 and "MISMATCH" in out.stdout and out.stdout.count(mark) == still_ok, out.stdout
     # the same case passes with the real kernel
     out = run(harnesses["real"], case)
     assert out.returncode == 0 and out.stdout.count(mark) == 4, out.stdout

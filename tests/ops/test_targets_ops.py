@@ -1,14 +1,16 @@
 """Sample ids, targets "mask" / "multi" and extra columns (hard negatives) in the block ops
-(contrastive_lse, contrastive_lse_backward, siglip_sum, siglip_block, same_id_logit_sums), against the
+(contrastive_lse, contrastive_lse_backward, siglip_sum, siglip_block, other_same_id_logit_sums), against the
 materialised fp64 references of tests/references/targets.py: values and the gradients of a loss-like
 scalar (upstream weights around 0.5 / M) with respect to rows, cols, extra_cols, scale and bias, in
 fp64 and fp32, over several column chunks; all ids equal, all distinct (bit-equal to the call
 without ids), ~10% duplicates, no positives (pos_offset None), no extra columns (H = 0); bad inputs."""
+import math
+
 import pytest
 import torch
 
 from clipshard.ops.contrastive_lse import contrastive_lse, contrastive_lse_backward
-from clipshard.ops.same_id import same_id_logit_sums
+from clipshard.ops.same_id import other_same_id_logit_sums
 from clipshard.ops.siglip_sum import siglip_block, siglip_sum
 from tests.references.similarity import similarity_reference
 from tests.references.targets import contrastive_block_terms, siglip_block_sum
@@ -138,16 +140,12 @@ def test_contrastive_lse_matches_reference(case, dtype, targets, algorithm):
 @pytest.mark.parametrize("targets", ["mask", "multi"])
 def test_contrastive_distinct_ids_bit_equal_to_no_ids(targets, algorithm):
     """All ids distinct: "mask" excludes nothing and "multi"'s only positive is the own pair, so the
-    call gives the call without ids (same algorithm as the ids call takes)."""
+    call gives the call without ids, bit for bit (same algorithm as the ids call takes)."""
     case = (37, 301, 19, 11, 14.3, 0.75, 1, "distinct", 0)
     with_ids, grads_ids, _ = run_contrastive(case, torch.float32, targets, algorithm)
     without, grads_without, _ = run_contrastive(case, torch.float32, None, algorithm, use_ids=False)
-    if targets == "mask":
-        for got, ref in zip(with_ids + grads_ids, without + grads_without):
-            assert torch.equal(got, ref)
-    else:  # the LSEs are bit-equal; the positive is computed by same_id_logit_sums
-        assert torch.equal(with_ids[0], without[0]) and torch.equal(with_ids[2], without[2])
-        assert_close(with_ids[1], without[1].double(), 1e-6, "pos_logit")
+    for got, ref in zip(with_ids + grads_ids, without + grads_without):
+        assert torch.equal(got, ref)
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -189,14 +187,16 @@ def test_contrastive_lse_backward_with_ids(case, dtype, algorithm):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_same_id_logit_sums(case, dtype):
+def test_other_same_id_logit_sums(case, dtype):
     m, k, d, pos, scale, bias, workspace, kind, h = case
     rows, cols, _, s, b, row_ids, col_ids = block_inputs(case, dtype)
     got_leaves = leaves(rows, cols, s, b)
-    got = same_id_logit_sums(*got_leaves, row_ids, col_ids)
+    got = other_same_id_logit_sums(*got_leaves, row_ids, col_ids, pos)
     ref_leaves = leaves(rows, cols, s, b, double=True)
     logits = similarity_reference(*ref_leaves)
     same = row_ids[:, None] == col_ids[None, :]
+    if pos is not None:  # the own pairs are left out
+        same[torch.arange(m), pos + torch.arange(m)] = False
     masked = torch.where(same, logits, torch.zeros_like(logits))
     ref = (masked.sum(1), same.sum(1).double(), masked.sum(0), same.sum(0).double())
     acc = torch.float64 if dtype == torch.float64 else torch.float32
@@ -234,6 +234,39 @@ def test_siglip_sum_matches_reference(case, dtype, targets, algorithm):
     assert loss.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert_close(loss, ref.detach(), TOL[dtype], f"{case_id(case)} loss")
     assert_all_close(grads, ref_grads, TOL[dtype], ("d rows", "d cols", "d extra_cols", "d scale", "d bias"), case)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("non_finite", ["inf", "nan"])
+def test_siglip_mask_skips_a_dropped_pair_whatever_its_similarity(non_finite, device, algorithm):
+    """targets "mask": a dropped pair has no term on every path, not a term times 0: an fp32
+    similarity that overflows (Inf) or is Inf - Inf (NaN) there changes no loss and no gradient
+    (d scale was NaN on the torch path and on CUDA, finite on the CPU kernel)."""
+    m, k, d, pos, j = 6, 9, 5, 2, 7  # row 0's same-id column j is not its own (pos)
+    rows, cols = features(m, d, torch.float32, 0), features(k, d, torch.float32, 1)
+    rows[:, :2], cols[:, :2] = 0.0, 0.0  # only row 0 and column j use the first two dimensions
+    big = 1e20  # 1e40 overflows fp32, not fp64
+    rows[0, :2] = torch.tensor([big, big])
+    cols[j, :2] = torch.tensor([big, big if non_finite == "inf" else -big])
+    row_ids = torch.arange(m) + 100
+    col_ids = torch.arange(k) + 200
+    col_ids[pos:pos + m] = row_ids
+    col_ids[j] = row_ids[0]
+    s, b = torch.tensor(10.0), torch.tensor(-3.0)
+    dot = (rows[0:1] @ cols[j:j + 1].T).item()
+    assert (dot == float("inf")) if non_finite == "inf" else math.isnan(dot)
+    got_leaves = leaves(*(t.to(device) for t in (rows, cols, s, b)))
+    loss = siglip_sum(*got_leaves, pos, row_ids=row_ids.to(device), col_ids=col_ids.to(device), targets="mask",
+                      algorithm=algorithm)
+    got = [g.cpu() for g in grads_of(loss * (0.5 / m), got_leaves)]
+    loss = loss.detach().cpu()
+    ref_leaves = leaves(rows, cols, s, b, double=True)
+    ref = siglip_block_sum(*ref_leaves, pos, row_ids, col_ids, "mask")
+    ref_grads = grads_of(ref * (0.5 / m), ref_leaves)
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in got)
+    assert_close(loss, ref.detach(), 1e-5, "loss")
+    assert_all_close(got, ref_grads, 1e-5, ("d rows", "d cols", "d scale", "d bias"), (m, k, d, pos, 10, -3, 0, "", 0))
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -306,5 +339,8 @@ def test_ids_need_targets_for_contrastive_only():
                                  row_ids=ids["row_ids"], col_ids=ids["col_ids"][:3])
     with pytest.raises(TypeError, match="siglip_block: mask_same_ids must be True or False"):
         siglip_block(rows, cols, torch.tensor(1.0), None, 0, False, mask_same_ids="yes")
-    with pytest.raises(ValueError, match="same_id_logit_sums: row_ids must be a 1-D int64 tensor of length 6"):
-        same_id_logit_sums(rows, cols, 1.0, None, ids["col_ids"], ids["col_ids"])
+    with pytest.raises(ValueError, match="other_same_id_logit_sums: row_ids must be a 1-D int64 tensor of length 6"):
+        other_same_id_logit_sums(rows, cols, 1.0, None, ids["col_ids"], ids["col_ids"])
+    with pytest.raises(ValueError, match=r"other_same_id_logit_sums: pos_offset must be None or an int with 0 <= "
+                                         r"pos_offset <= K - M = 4, got 5"):
+        other_same_id_logit_sums(rows, cols, 1.0, None, ids["row_ids"], ids["col_ids"], 5)

@@ -13,6 +13,8 @@ import torch.distributed as dist
 import clipshard
 from tests.comparisons import GRADIENT_NAMES, max_relative_error
 from tests.dist_utils import report_worst, run_group
+from tests.parallel.dispatched_ops import unexpected_ops
+from tests.parallel.distinct_ids_bits import distinct_ids_mismatches
 from tests.references.clip_targets import clip_targets_rank_reference
 
 COMBINATIONS = [(True, True), (False, True), (True, False), (False, False)]  # (local_loss, gather_with_grad)
@@ -119,24 +121,35 @@ def _zero_negatives_are_no_negatives(rank, world_size, sizes):
                 assert torch.equal(plain[k], empty[k]), (local_loss, gather_with_grad, mode, GRADIENT_NAMES[k])
 
 
-def _main(rank, world_size, runs):
+def _main(rank, world_size, runs, distinct_ids_configs, record_ops=False):
     worst = {}
     for sizes, negative_sizes, dtype, tol, bias_value, seed, negative_options in runs:
         found = _compare_all(rank, world_size, sizes, negative_sizes, dtype, tol, bias_value, seed, negative_options)
         for key, value in found.items():
             worst[key] = max(worst.get(key, 0.0), value)
     _zero_negatives_are_no_negatives(rank, world_size, runs[0][0])
+    # all ids distinct: the bits of the call without ids, every loss, mode and target (the first
+    # run's batches: unequal on 3 ranks, where ring mode transposes the narrow foreign blocks); each
+    # group takes one share of the (dtype, algorithm) pairs, tests/losses/test_clip_targets.py all
+    mismatches = distinct_ids_mismatches(rank, world_size, runs[0][0], runs[0][1], distinct_ids_configs)
+    assert not mismatches, "\n".join(mismatches)
+    if record_ops:  # no float atomics, host syncs or data-dependent shapes (tests/ops/test_id_paths_dispatch.py)
+        unexpected = unexpected_ops(rank, world_size)
+        assert not unexpected, unexpected
     return worst
 
 
 def test_three_ranks_unequal_batches_and_a_rank_without_negatives():
     runs = [((5, 3, 4), (2, 0, 3), torch.float64, 1e-10, -1.5, 1, (False, True)),
             ((4, 6, 3), (1, 3, 0), torch.float32, 2e-5, None, 2, (True,))]
-    report_worst(run_group(_main, 3, runs, timeout=300)[0])
+    share = [(torch.float32, "auto"), (torch.float64, "torch")]
+    report_worst(run_group(_main, 3, runs, share, timeout=300)[0])
 
 
 def test_two_ranks():
-    report_worst(run_group(_main, 2, [((6, 6), (2, 4), torch.float64, 1e-10, 0.5, 3, (True,))], timeout=300)[0])
+    share = [(torch.float64, "auto"), (torch.float32, "torch")]
+    report_worst(run_group(_main, 2, [((6, 6), (2, 4), torch.float64, 1e-10, 0.5, 3, (True,))], share, True,
+                           timeout=300)[0])
 
 
 # ---------------------------------------------------------------------------------------------
