@@ -21,6 +21,7 @@ import torch
 
 from clipshard.integrations import sentence_transformers_inputs as inputs
 from clipshard.integrations import sentence_transformers_options as options
+from clipshard.integrations.patched import unpatched
 from clipshard.integrations.sentence_transformers_loss import TARGETS, ranking_loss
 from clipshard.integrations.supported_import import SENTENCE_TRANSFORMERS
 
@@ -214,7 +215,7 @@ def apply_to_sentence_transformers(*, labels_as_ids=None):
     originals, replaced = {}, {}
     for name, (method, _) in _PATCHED.items():
         if name not in rejected:
-            originals[getattr(module, name)] = {method: getattr(module, name).__dict__[method]}
+            originals[getattr(module, name)] = {method: unpatched(getattr(module, name).__dict__[method])}
     if originals:
         SENTENCE_TRANSFORMERS.warn_if_newer_than_tested(_FN, library)
     for cls, methods in originals.items():

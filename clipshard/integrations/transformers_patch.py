@@ -24,6 +24,7 @@ import logging
 import torch
 
 from clipshard.integrations import transformers_models as models
+from clipshard.integrations.patched import unpatched
 from clipshard.integrations import transformers_signature as signatures
 from clipshard.integrations import transformers_structure as structure
 from clipshard.integrations.supported_import import TRANSFORMERS
@@ -237,7 +238,7 @@ def apply_to_transformers(*, logits=True, micro_batch_size=None):
         elif problem is not None:
             rejected[entry.name] = problem
         else:
-            originals[cls] = cls.__dict__["forward"]
+            originals[cls] = unpatched(cls.__dict__["forward"])
             replaced[entry.name] = entry.family
     if replaced:
         TRANSFORMERS.warn_if_newer_than_tested(_FN, transformers)

@@ -229,3 +229,26 @@ def test_a_loss_method_kept_while_applied_follows_later_applies_and_undos():
     finally:
         for patch in patches:
             patch.undo()
+
+
+@pytest.mark.parametrize("undo_order", ["in apply order", "in reverse"])
+@pytest.mark.parametrize("name", INSTALLED)
+def test_applied_twice_across_a_reload_and_undone_twice(name, undo_order):
+    """Applied, then applied again by a copy of the patch module that does not know the first patch
+    (its state reset, as importlib.reload / IPython's autoreload leave it), then both undone: every
+    object is the library's own again. The second apply used to record the first one's replacements
+    as the originals, so undoing in apply order left them in place (for transformers, a patched
+    forward with its extra keywords in the signature Trainer reads)."""
+    module = importlib.import_module(f"clipshard.integrations.{name}_patch")
+    _, objects, applies = INSTALLED[name]
+    originals = objects()
+    patches = [applies[0]()]
+    try:
+        module._active = None  # what a reload of the module does to its state
+        patches.append(applies[0]())
+    finally:
+        for patch in patches if undo_order == "in apply order" else patches[::-1]:
+            patch.undo()
+    now = objects()
+    assert all(now[key] is value for key, value in originals.items())
+    assert _signatures(now) == _signatures(originals)
