@@ -24,9 +24,9 @@ import logging
 import torch
 
 from clipshard.integrations import transformers_models as models
-from clipshard.integrations.patched import unpatched
 from clipshard.integrations import transformers_signature as signatures
 from clipshard.integrations import transformers_structure as structure
+from clipshard.integrations.patched import unpatched
 from clipshard.integrations.supported_import import TRANSFORMERS
 from clipshard.integrations.transformers_loss import global_batch_loss, grad_cache_loss, negative_embeddings
 
