@@ -91,7 +91,9 @@ def apply_to_open_clip():
         module = importlib.import_module(module_name)
         for name, cls in replacements.items():
             if hasattr(module, name):
-                originals[(module_name, name)] = getattr(module, name)
+                current = getattr(module, name)
+                # clipshard's class already there: a patch of a copy of this module reloaded since
+                originals[(module_name, name)] = ORIGINALS.get(name, current) if current is cls else current
     missing = [n for n in replacements if ("open_clip.factory", n) not in originals]
     if missing:
         raise ImportError(f"{_FN}: open_clip.factory has no {', '.join(missing)}: open_clip_torch "

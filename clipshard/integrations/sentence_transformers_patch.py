@@ -8,7 +8,8 @@ symmetric classes inherit them), so that wrappers that call them (MatryoshkaLoss
 a cached loss's bound `calculate_loss` when it is built: apply the patch first) and the cached
 losses' own caching engine stay the library's. Options clipshard does not fuse run the library's own
 method, with one log line per class and option (sentence_transformers_options). Undo puts the
-original functions back. docs/sentence_transformers.md.
+original functions back; the patched ones run the library's own while no patch is active.
+docs/sentence_transformers.md.
 """
 import dataclasses
 import functools
@@ -21,6 +22,7 @@ import torch
 from clipshard.integrations import sentence_transformers_inputs as inputs
 from clipshard.integrations import sentence_transformers_options as options
 from clipshard.integrations.bound_methods import own_method_bypasses_patch
+from clipshard.integrations.patched import unpatched
 from clipshard.integrations.sentence_transformers_loss import TARGETS, ranking_loss
 from clipshard.integrations.supported_import import SENTENCE_TRANSFORMERS
 
@@ -63,22 +65,26 @@ def _log_fallback(name, reason):
                      name, reason)
 
 
-def _compute_loss_from_embeddings(original, labels_as_ids):
+# The patched methods read the active patch (its labels_as_ids) when called and run the library's own
+# while none is: copies made while applied (MatryoshkaLoss's decorator on a cached loss's bound
+# calculate_loss) stay on the loss objects after undo().
+def _compute_loss_from_embeddings(original):
     @functools.wraps(original)
     def compute_loss_from_embeddings(self, embeddings, labels):
-        loss = _fused_or_none(self, embeddings, labels, labels_as_ids)
+        patch = _active
+        loss = None if patch is None else _fused_or_none(self, embeddings, labels, patch.labels_as_ids)
         return original(self, embeddings, labels) if loss is None else loss
 
     compute_loss_from_embeddings.clipshard_patched = True
     return compute_loss_from_embeddings
 
 
-def _calculate_loss(original, labels_as_ids):
+def _calculate_loss(original):
     @functools.wraps(original)
     def calculate_loss(self, reps, labels=None, *, with_backward=False):
-        # the cached embeddings as whole columns, like the library's own calculate_loss
-        embeddings = [torch.cat(column) for column in reps]
-        loss = _fused_or_none(self, embeddings, labels, labels_as_ids)
+        patch, loss = _active, None
+        if patch is not None:  # the cached embeddings as whole columns, like the library's own calculate_loss
+            loss = _fused_or_none(self, [torch.cat(column) for column in reps], labels, patch.labels_as_ids)
         if loss is None:
             return original(self, reps, labels, with_backward=with_backward)
         if with_backward:  # one backward of the whole loss to the cached embeddings (no per-chunk block)
@@ -235,12 +241,12 @@ def apply_to_sentence_transformers(*, labels_as_ids=None):
     originals, replaced = {}, {}
     for name, (method, _) in _PATCHED.items():
         if name not in rejected:
-            originals[getattr(module, name)] = {method: getattr(module, name).__dict__[method]}
+            originals[getattr(module, name)] = {method: unpatched(getattr(module, name).__dict__[method])}
     if originals:
         SENTENCE_TRANSFORMERS.warn_if_newer_than_tested(_FN, library)
     for cls, methods in originals.items():
         for method, function in methods.items():
-            setattr(cls, method, _WRAPPERS[method](function, labels_as_ids))
+            setattr(cls, method, _WRAPPERS[method](function))
     for name in _COVERED:
         cls = getattr(module, name, None)
         method = next((m for m, _ in _PATCHED.values() if getattr(getattr(cls, m, None), "clipshard_patched", False)),

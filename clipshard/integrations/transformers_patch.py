@@ -7,7 +7,10 @@ can be computed, and SigLIP's loss is written inline. The patched forward runs t
 forward with return_loss=False (so the towers, the normalisation, logit_scale.exp() and the logits
 stay the model's code) and adds transformers_loss's loss of the embeddings it returns; with
 logits=False it computes the same embeddings without the M x M logits. Undo puts each class's own
-forward function object back.
+forward function object back. The patched forward reads the active patch when called and runs the
+class's own forward while none is active, with a signature that follows the same state
+(transformers_signature): copies of it made while applied (accelerate's mixed-precision wrapper on a
+model instance) are undone too.
 
 Which transformers releases: supported_import.TRANSFORMERS (the oldest supported, the newest
 tested). A class is patched when transformers_structure.problem() finds nothing missing, whatever
@@ -21,8 +24,10 @@ import logging
 import torch
 
 from clipshard.integrations import transformers_models as models
+from clipshard.integrations import transformers_signature as signatures
 from clipshard.integrations import transformers_structure as structure
 from clipshard.integrations.bound_methods import own_method_bypasses_patch
+from clipshard.integrations.patched import unpatched
 from clipshard.integrations.supported_import import TRANSFORMERS
 from clipshard.integrations.transformers_loss import global_batch_loss, grad_cache_loss, negative_embeddings
 
@@ -35,23 +40,18 @@ def import_transformers(fn=_FN):
     return TRANSFORMERS.import_checked(fn)
 
 
-def _with_extra_keywords(signature):
-    """`signature` with the patched forward's own keyword-only parameters (models.EXTRA_ARGS: sample_ids,
-    targets, hard_negative_input_ids, ...), before its **kwargs: what Trainer's remove_unused_columns reads,
-    so that dataset columns of those names reach the forward."""
-    parameters = list(signature.parameters.values())
-    at = next((i for i, p in enumerate(parameters) if p.kind is p.VAR_KEYWORD), len(parameters))
-    added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None)
-             for name in models.EXTRA_ARGS if name not in signature.parameters]
-    return signature.replace(parameters=parameters[:at] + added + parameters[at:])
-
-
-def _with_global_loss(original, entry, logits, micro_batch_size):
-    """The forward that replaces `original` (entry's class's own forward)."""
+def _with_global_loss(original, entry):
+    """The forward that replaces `original` (entry's class's own forward). It reads the active patch
+    (its options) when called, and runs `original` while none is: wrappers made while applied keep
+    this function after undo() (accelerate's mixed precision wraps the model instance's forward)."""
     signature = inspect.signature(original)
 
-    @functools.wraps(original)  # keeps the name, docstring and (with the extras below) the signature Trainer reads
+    @functools.wraps(original)  # keeps the name and docstring; __signature__ below is what Trainer reads
     def forward(self, *args, **kwargs):
+        patch = _active
+        if patch is None:
+            return original(self, *args, **kwargs)
+        logits, micro_batch_size = patch.logits, patch.micro_batch_size
         # the loss's own keywords; they change only the loss, so calls without return_loss ignore them
         extras = {name: kwargs.pop(name) for name in models.EXTRA_ARGS if name in kwargs}
         # return_dict is a parameter in 4.5x's signatures, a keyword their wrapper takes in later ones
@@ -84,7 +84,7 @@ def _with_global_loss(original, entry, logits, micro_batch_size):
         output = entry.output_class()(**fields)  # the dataclass's field order: loss first
         return output if return_dict else output.to_tuple()
 
-    forward.__signature__ = _with_extra_keywords(signature)
+    forward.__signature__ = signatures.WhileApplied(signature, models.EXTRA_ARGS, applied=lambda: _active is not None)
     forward.clipshard_patched = True
     return forward
 
@@ -246,13 +246,12 @@ def apply_to_transformers(*, logits=True, micro_batch_size=None):
         elif problem is not None:
             rejected[entry.name] = problem
         else:
-            originals[cls] = cls.__dict__["forward"]
+            originals[cls] = unpatched(cls.__dict__["forward"])
             replaced[entry.name] = entry.family
     if replaced:
         TRANSFORMERS.warn_if_newer_than_tested(_FN, transformers)
     # every replacement is built before any class changes: an error leaves every class as it was
-    forwards = {cls: _with_global_loss(forward, models.covered_entry(cls), logits, micro_batch_size)
-                for cls, forward in originals.items()}
+    forwards = {cls: _with_global_loss(forward, models.covered_entry(cls)) for cls, forward in originals.items()}
     for cls, forward in forwards.items():
         cls.forward = forward
     _active = TransformersPatch(replaced=replaced, kept=models.NOT_COVERED, logits=logits, originals=originals,

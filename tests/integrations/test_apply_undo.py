@@ -2,7 +2,9 @@
 and order, interleaved with each other and with refused applies (other options while applied): while
 no patch of an integration is active, every object it replaces is the library's own object (the
 same object, and for transformers' forwards the same signature, which Trainer reads to choose the
-dataset columns it keeps); while one is, every one of them is replaced. Issue 40 item 3.
+dataset columns it keeps); while one is, every one of them is replaced. Copies of a patched function
+made while applied (accelerate's mixed-precision wrapper on a model's forward, MatryoshkaLoss's on a
+cached loss's calculate_loss) follow later applies and undos too. Issue 40 item 3.
 
 Integrations whose library is not installed are left out; the test skips when none is installed.
 """
@@ -10,6 +12,7 @@ import importlib
 import inspect
 import itertools
 import random
+import types
 
 import pytest
 
@@ -155,3 +158,97 @@ def test_an_apply_that_fails_midway_changes_nothing(monkeypatch):
     clipshard.apply_to_transformers().undo()
     now = _transformers_objects()
     assert all(now[k] is v for k, v in originals["transformers"].items())
+
+
+def _mixed_precision_forward(model):
+    """`model.forward` wrapped the way accelerate's prepare() wraps it for mixed precision (and so
+    Trainer with bf16=True / fp16=True): an instance attribute, torch.autocast (disabled here, so that
+    losses compare bit for bit) used as a decorator on the forward function of the moment
+    (functools.wraps copies that function's __dict__, __signature__ included), bound to the model."""
+    import torch
+    return types.MethodType(torch.autocast("cpu", dtype=torch.bfloat16, enabled=False)(model.forward.__func__), model)
+
+
+@pytest.mark.skipif("transformers" not in INSTALLED, reason="transformers is not installed")
+def test_a_forward_wrapped_while_applied_follows_later_applies_and_undos():
+    """A model whose forward accelerate wrapped while a patch was active (Trainer with bf16 keeps
+    that instance attribute after training), applied twice and undone twice: after each undo its
+    forward has the class's own signature again (Trainer's remove_unused_columns reads it) and
+    computes the model's own loss; after the second apply, with other options, it computes that
+    patch's loss. It used to keep the first patch's forward for good: the extra keywords in its
+    signature and clipshard's loss with the first patch's options, whatever was applied or undone."""
+    import torch
+    from tests.integrations.transformers.hf_tiny_models import tiny_inputs, tiny_model
+    model, inputs = tiny_model("CLIPModel"), tiny_inputs("CLIPModel", 5, seed=3)
+    own_signature = inspect.signature(model.forward)
+    with torch.no_grad():
+        own_loss = model(**inputs, return_loss=True).loss
+    patches = [clipshard.apply_to_transformers()]
+    try:
+        model.forward = _mixed_precision_forward(model)
+        for apply in (lambda: patches[0], lambda: clipshard.apply_to_transformers(logits=False)):
+            patches.append(apply())  # the first time: the patch active when the forward was wrapped
+            with torch.no_grad():
+                patched = model(**inputs, return_loss=True)
+            assert "sample_ids" in inspect.signature(model.forward).parameters
+            assert (patched.logits_per_image is None) == (not patches[-1].logits)
+            patches[-1].undo()
+            assert inspect.signature(model.forward) == own_signature
+            with torch.no_grad():
+                assert model(**inputs, return_loss=True).loss == own_loss
+            model.forward = _mixed_precision_forward(model)  # a second Trainer wraps the wrapper again
+    finally:
+        for patch in patches:
+            patch.undo()
+
+
+@pytest.mark.skipif("sentence_transformers" not in INSTALLED, reason="sentence-transformers is not installed")
+def test_a_loss_method_kept_while_applied_follows_later_applies_and_undos():
+    """A cached loss whose bound calculate_loss was kept while a patch was active (MatryoshkaLoss's
+    decorator keeps it on the loss object), applied twice and undone twice: after each undo it
+    computes the library's own loss (which ignores the labels), bit for bit; while applied, clipshard's
+    (the same value within rounding), and with labels_as_ids="mask" the labels masked as sample ids.
+    It used to keep the first patch's method: clipshard's loss with the first patch's labels_as_ids,
+    whatever was applied or undone."""
+    import torch
+    from tests.integrations.sentence_transformers.st_cases import global_batch, make_loss
+    from sentence_transformers import util
+    columns, ids = global_batch([6], 1, torch.float64, seed=5)
+    reps = [list(column.split(2)) for column in columns]
+    loss = make_loss(True, ("query_to_doc",), "joint", util.cos_sim, False)
+    own = type(loss).calculate_loss(loss, reps, ids)
+    patches = [clipshard.apply_to_sentence_transformers()]
+    try:
+        loss.calculate_loss = loss.calculate_loss  # what MatryoshkaLoss's decorator holds
+        for apply in (lambda: patches[0], lambda: clipshard.apply_to_sentence_transformers(labels_as_ids="mask")):
+            patches.append(apply())
+            fused = loss.calculate_loss(reps, ids)
+            assert (abs(fused - own) <= 1e-12 * abs(own)) == (patches[-1].labels_as_ids is None), (fused, own)
+            patches[-1].undo()
+            assert loss.calculate_loss(reps, ids) == own
+    finally:
+        for patch in patches:
+            patch.undo()
+
+
+@pytest.mark.parametrize("undo_order", ["in apply order", "in reverse"])
+@pytest.mark.parametrize("name", INSTALLED)
+def test_applied_twice_across_a_reload_and_undone_twice(name, undo_order):
+    """Applied, then applied again by a copy of the patch module that does not know the first patch
+    (its state reset, as importlib.reload / IPython's autoreload leave it), then both undone: every
+    object is the library's own again. The second apply used to record the first one's replacements
+    as the originals, so undoing in apply order left them in place (for transformers, a patched
+    forward with its extra keywords in the signature Trainer reads)."""
+    module = importlib.import_module(f"clipshard.integrations.{name}_patch")
+    _, objects, applies = INSTALLED[name]
+    originals = objects()
+    patches = [applies[0]()]
+    try:
+        module._active = None  # what a reload of the module does to its state
+        patches.append(applies[0]())
+    finally:
+        for patch in patches if undo_order == "in apply order" else patches[::-1]:
+            patch.undo()
+    now = objects()
+    assert all(now[key] is value for key, value in originals.items())
+    assert _signatures(now) == _signatures(originals)
