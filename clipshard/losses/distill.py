@@ -8,7 +8,10 @@ from clipshard.ops import check_algorithm
 from clipshard.ops.distill_lse import ALGORITHMS
 from clipshard.ops.inputs import SUPPORTED_DTYPES, Problem, check_flags
 from clipshard.parallel import distill_exchange
+from clipshard.parallel import steady_state
 from clipshard.parallel.agreement import exchange_rows, require_same
+from clipshard.parallel.layout import metadata_device
+from clipshard.parallel.steady_state import check_validate
 
 
 def _as_list(value):
@@ -76,14 +79,16 @@ def _stack_logit_mean(images, texts, scales):
             (first / len(images)).reshape(1), weights)
 
 
-def _check_teachers_agree(fn, group, images, texts, scales, same_scales):
+def _check_teachers_agree(fn, group, images, texts, scales, same_scales, validate):
     """Raise on every rank if the ranks' teachers differ (the teacher count already agrees): per
     teacher its feature dimension, dtypes and requires_grad pattern, and with same_scales its
-    logit scale's value."""
+    logit scale's value. validate="on_change": as base.shard_layout's, in a slot of its own."""
     fields = []
     for t_image, t_text, t_scale in zip(images, texts, scales):
         fields += [t_image.shape[1], base.DTYPE_CODES[t_image.dtype], base.DTYPE_CODES.get(t_scale.dtype, -1),
                    base.requires_grad_bits((t_image, t_text, t_scale))]
+    if validate == "on_change" and steady_state.steady(fn, group, (0, *fields), scales, same_scales, "teachers"):
+        return
     table, values = exchange_rows(fn, group, fields, scales)
     for k in range(len(images)):
         which = f"teacher {k}'s" if len(images) > 1 else "teacher's"
@@ -97,6 +102,8 @@ def _check_teachers_agree(fn, group, images, texts, scales, same_scales):
         for k in range(len(images)):
             name = f"dist_logit_scale (teacher {k})" if len(images) > 1 else "dist_logit_scale"
             base.require_same_values(fn, name, [row[k] for row in values])
+    if validate == "on_change":
+        steady_state.remember(fn, group, [(0, *row) for row in table], metadata_device(group), True, "teachers")
 
 
 class DistillClipLoss(torch.nn.Module):
@@ -110,11 +117,13 @@ class DistillClipLoss(torch.nn.Module):
     gather_with_grad as there), plus average_after_softmax: for an ensemble of teachers (lists of
     features and scales in forward), the target of each row is the mean of the teachers' softmaxes
     (True, MobileCLIP's ensemble) or the softmax of the mean of their logits (False). algorithm:
-    "auto", "compiled" or "torch" (clipshard.ops.distill_lse). Horovod is not supported.
+    "auto", "compiled" or "torch" (clipshard.ops.distill_lse). validate: see clipshard.clip_loss.
+    Horovod is not supported.
     """
 
     def __init__(self, local_loss=False, gather_with_grad=False, cache_labels=False, rank=0, world_size=1,
-                 use_horovod=False, *, mode=None, group=None, algorithm="auto", average_after_softmax=False):
+                 use_horovod=False, *, mode=None, group=None, algorithm="auto", average_after_softmax=False,
+                 validate="every_call"):
         super().__init__()
         fn = "DistillClipLoss"
         check_flags(fn, cache_labels=cache_labels, use_horovod=use_horovod,
@@ -128,6 +137,8 @@ class DistillClipLoss(torch.nn.Module):
         check_algorithm(fn, algorithm, ALGORITHMS)
         self.algorithm = algorithm
         self.average_after_softmax = average_after_softmax
+        check_validate(fn, validate)
+        self.validate = validate
 
     def forward(self, image_features, text_features, logit_scale, dist_image_features, dist_text_features,
                 dist_logit_scale, output_dict=False):
@@ -160,9 +171,9 @@ class DistillClipLoss(torch.nn.Module):
         layout = base.shard_layout(
             fn, image_features, text_features, scale, None, group, options,
             rank_arg=self.rank if explicit else None, world_size_arg=self.world_size if explicit else None,
-            same_scale_and_bias=mixes, own_problem=(_TEACHER_PROBLEM, teacher_problem))
+            same_scale_and_bias=mixes, own_problem=(_TEACHER_PROBLEM, teacher_problem), validate=self.validate)
         if group is not None:  # the teachers must agree across ranks too (their count does already)
-            _check_teachers_agree(fn, group, images, texts, scales, mixes)
+            _check_teachers_agree(fn, group, images, texts, scales, mixes, self.validate)
         stack = _stack_after_softmax if self.average_after_softmax else _stack_logit_mean
         n = len(images)
         teachers = (images + texts + scales, lambda *leaves: stack(leaves[:n], leaves[n:2 * n], leaves[2 * n:]))

@@ -1,0 +1,38 @@
+"""The collectives of clipshard/parallel/collectives.py as torch.compile traces them: functional
+collectives (torch.distributed._functional_collectives), whose ops dynamo puts in the graph and whose
+autograd formulas are registered with torch (all-gather: backward reduce-scatter sum; all-reduce
+sum: backward all-reduce sum), so the gradients are those of the eager Functions. The shapes are
+host facts (the ShardLayout's sizes, constants of the compiled graph).
+"""
+import torch
+from torch.distributed import _functional_collectives as fc
+
+# torch renamed the single-tensor functional collectives (the old names warn outside compile).
+_all_gather = getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
+
+
+def gather_rows(x, layout):
+    """Every rank's rows of x in rank order; unequal local sizes are padded to the largest and cut
+    out again (slices of a static size, so no data-dependent shape)."""
+    width = max(layout.sizes)
+    x = x.contiguous()
+    if x.shape[0] < width:
+        x = torch.cat([x, x.new_zeros(width - x.shape[0], *x.shape[1:])])
+    out = _all_gather(x, 0, layout.group)
+    if min(layout.sizes) == width:
+        return out
+    return torch.cat([out.narrow(0, q * width, size) for q, size in enumerate(layout.sizes)])
+
+
+def combine_column_lse(partial, group):
+    """C = logsumexp over ranks of the partial column LSEs; through autograd, the gradient of a
+    rank's partial is (the sum over ranks of the gradients of C) * exp(c_r - C), as the eager
+    Function computes it."""
+    high = fc.all_reduce(partial.detach(), "max", group)
+    high = torch.where(torch.isfinite(high), high, torch.zeros_like(high))
+    return high + torch.log(fc.all_reduce(torch.exp(partial - high), "sum", group))
+
+
+def all_reduce_sum(x, group):
+    """The sum over ranks; differentiable (backward: the sum over ranks of the gradients)."""
+    return fc.all_reduce(x, "sum", group)
