@@ -19,10 +19,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.dist_utils import run_group  # noqa: E402
 
 
-def _features(rank, rows, dim=8, seed=0):
+def _features(rank, rows, dim=8, seed=0, dtype=torch.float32):
     gen = torch.Generator().manual_seed(1000 * seed + rank)
     out = torch.randn(2, rows, dim, generator=gen, dtype=torch.float64)
-    out = torch.nn.functional.normalize(out, dim=-1).float()
+    out = torch.nn.functional.normalize(out, dim=-1).to(dtype)
     return out[0].requires_grad_(), out[1].requires_grad_()
 
 
@@ -30,15 +30,16 @@ def _ids(rank, rows):
     return torch.arange(rows) // 2 + 100 * rank  # pairs of rows share an id
 
 
-def path_inputs(name, rank, world, validate=None):
-    """(loss callable, positional inputs) of one path on `rank`."""
+def path_inputs(name, rank, world, validate=None, dtype=torch.float32):
+    """(loss callable, positional inputs) of one path on `rank`: M = 6 pairs of D = 8 (4 + 2 rank
+    pairs for the "unequal" variants), random unit features."""
     import clipshard
 
     opts = {} if validate is None else {"validate": validate}
     rows = 6 if not name.endswith("unequal") else 4 + 2 * rank
-    image, text = _features(rank, rows)
-    scale = torch.tensor(10.0, requires_grad=True)
-    bias = torch.tensor(-2.0, requires_grad=True)
+    image, text = _features(rank, rows, dtype=dtype)
+    scale = torch.tensor(10.0, dtype=dtype, requires_grad=True)
+    bias = torch.tensor(-2.0, dtype=dtype, requires_grad=True)
     family, _, variant = name.partition(":")
     if family.startswith("clip"):
         mode, local_loss, gather_with_grad = {
@@ -51,7 +52,7 @@ def path_inputs(name, rank, world, validate=None):
         if variant.startswith("ids"):
             extras = dict(sample_ids=_ids(rank, rows), targets=variant.split("-")[1])
         elif variant == "negatives":
-            extras = dict(hard_negatives=_features(rank, 1 + rank, seed=1)[0])
+            extras = dict(hard_negatives=_features(rank, 1 + rank, seed=1, dtype=dtype)[0])
         direction = "image_to_text" if variant == "image_to_text" else "both"
         loss = clipshard.ClipLoss(local_loss, gather_with_grad, rank=rank, world_size=world, mode=mode,
                                   direction=direction, **opts)
@@ -62,13 +63,13 @@ def path_inputs(name, rank, world, validate=None):
         if variant.startswith("ids"):
             extras = dict(sample_ids=_ids(rank, rows), targets=variant.split("-")[1])
         elif variant == "negatives":
-            extras = dict(hard_negatives=_features(rank, 1 + rank, seed=1)[0])
+            extras = dict(hard_negatives=_features(rank, 1 + rank, seed=1, dtype=dtype)[0])
         return (lambda i, t, s, b: loss(i, t, s, b, **extras)), (image, text, scale, bias)
     mode, local_loss = {"distill exchange": ("exchange", True), "distill ring": ("ring", True),
                         "distill local global": ("local", False)}[family]
-    teacher_image, teacher_text = _features(rank, rows, seed=2)
+    teacher_image, teacher_text = _features(rank, rows, seed=2, dtype=dtype)
     loss = clipshard.DistillClipLoss(local_loss, True, rank=rank, world_size=world, mode=mode, **opts)
-    teacher = (teacher_image.detach(), teacher_text.detach(), torch.tensor(20.0))
+    teacher = (teacher_image.detach(), teacher_text.detach(), torch.tensor(20.0, dtype=dtype))
     return (lambda i, t, s: sum(loss(i, t, s, *teacher))), (image, text, scale)
 
 

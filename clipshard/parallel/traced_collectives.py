@@ -36,3 +36,11 @@ def combine_column_lse(partial, group):
 def all_reduce_sum(x, group):
     """The sum over ranks; differentiable (backward: the sum over ranks of the gradients)."""
     return fc.all_reduce(x, "sum", group)
+
+
+def ring_shift(send, like, to, source, world_size, group):
+    """One step of a ring pass: `send` goes to group rank `to`, and a tensor shaped like `like`
+    comes from group rank `source` (an all-to-all in which only those two pairs move data)."""
+    inputs, outputs = [0] * world_size, [0] * world_size
+    inputs[to], outputs[source] = send.numel(), like.numel()
+    return fc.all_to_all_single(send.contiguous().reshape(-1), outputs, inputs, group).view(like.shape)
