@@ -90,10 +90,12 @@ def _step(call, inputs):
 def measure_rank(rank, world, paths, validate):
     import torch._dynamo
     from clipshard.diagnostics.host_reads import HostReads
+    from clipshard.parallel import steady_state
 
     torch._dynamo.config.cache_size_limit = 64
     out = {}
     for name in paths:
+        steady_state.forget_all()  # each path is a program of its own (the paths differ on some ranks only)
         call, inputs = path_inputs(name, rank, world, validate)
         _step(call, inputs)  # the first call validates the ranks' inputs
         with HostReads() as reads:

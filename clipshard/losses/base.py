@@ -361,6 +361,8 @@ def _layout_while_compiling(fn, group, key, values, reported, describe, checks):
     retraces), and the compiled graph checks the header on the device at every call, as
     validate="on_change" does (clipshard/parallel/steady_state.py)."""
     ranks, tag = tuple(dist.get_process_group_ranks(group)), c10d._get_group_tag(group)
+    if reported is not None:  # the error's class travels by name (dynamo passes constants)
+        reported = (reported[0].__name__, *reported[1:])
     sizes, negative_sizes, keys = _validated_while_tracing(fn, tag, ranks, key, reported, describe, checks)
     steady_state.check_on_device(fn, group, keys, values, checks[0])
     return ShardLayout(sizes=sizes, rank=dist.get_rank(group), group=group, negative_sizes=negative_sizes)
@@ -373,6 +375,8 @@ def _validated_while_tracing(fn, tag, ranks, key, reported, describe, checks):
     graph compares them)."""
     group = c10d._find_pg_by_ranks_and_tag(tag, list(ranks))
     layout = steady_state.known_result(fn, group, key)
+    if reported is not None:
+        reported = ({"ValueError": ValueError, "TypeError": TypeError}[reported[0]], *reported[1:])
     if layout is None:
         layout = _validated_on_host(fn, group, list(key[1:]), (None, None), reported, describe, checks, "on_change")
     return layout.sizes, layout.negative_sizes, steady_state.known_keys(fn, group)

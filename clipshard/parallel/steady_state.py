@@ -117,3 +117,7 @@ def remember(fn, group, keys, device, result, slot=""):
     keys_on_device = torch.tensor(keys, dtype=torch.int64, device=device)
     _VALIDATED[_slot(fn, group, slot)] = _Validated(keys, keys_on_device, result)
 
+
+def forget_all():
+    """Drop every validated row (every rank at the same point: the next calls validate on the host)."""
+    _VALIDATED.clear()

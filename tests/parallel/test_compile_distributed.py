@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from clipshard.parallel import steady_state
 from tests.dist_utils import run_group
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
@@ -51,6 +52,9 @@ def _compile_rank(rank, world, cases):
 
     out = {}
     for name, backend, dtype in cases:
+        # each case is a program of its own (a compiled loss validates as validate="on_change" does:
+        # the previous case's rows, some ranks' equal to this case's, would be a change on some ranks)
+        steady_state.forget_all()
         call, inputs = path_inputs(name, rank, world, dtype=dtype)
         eager = _step(call, inputs)
         torch._dynamo.reset()
@@ -93,6 +97,7 @@ def _reads_rank(rank, world):
 
     counts = {}
     for name in STEADY_PATHS:
+        steady_state.forget_all()
         for validate in ("every_call", "on_change"):
             call, inputs = path_inputs(name, rank, world, validate)
             reference = _step(call, inputs)  # the first call validates on the host
@@ -136,7 +141,7 @@ def _lone_changes_rank(rank, world, compiled):
     call(), call()
     messages = {}
     faults = {"smaller batch": dict(rows=4), "other dtype": dict(dtype=torch.float64),
-              "other logit_scale": dict(scale=20.0)}
+              "other logit_scale": dict(scale=20.0), "two-element logit_scale": dict(scale=[10.0, 11.0])}
     for fault, change in faults.items():
         messages[fault] = _raises(lambda: call(**(change if rank == 1 else {})))
         flag = torch.ones(())
@@ -155,5 +160,18 @@ def test_a_lone_change_in_steady_state_raises_on_every_rank(compiled):
             assert message is not None, (rank, fault)
             if rank == 0:  # a steady rank: the device check
                 assert "changed since the ranks validated them" in message, (fault, message)
-        if not compiled:  # the rank that changed says what (its host validation)
-            assert "every rank must change" in messages["smaller batch"] or rank == 0
+        if rank == 1:  # the rank that changed says what (its host validation)
+            assert "every rank must change" in messages["smaller batch"], messages["smaller batch"]
+            assert "logit_scale must be" in messages["two-element logit_scale"], messages["two-element logit_scale"]
+
+
+def test_host_reads_counts_what_reads_device_values_on_the_host():
+    from clipshard.diagnostics.host_reads import HostReads
+
+    x = torch.arange(6.0)
+    with HostReads() as reads:
+        y = (x * 2).sum()  # no read
+    assert reads.count == 0
+    with HostReads() as reads:
+        y.item(), bool(y > 0), x.tolist(), float(y)
+    assert reads.count == 4, reads.events
