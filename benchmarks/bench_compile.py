@@ -1,5 +1,5 @@
 """A compiled training step against the eager one: a small open_clip model with clipshard's ClipLoss
-on a gloo group of --world-size ranks (CPU), forward + loss + backward + AdamW step.
+on a gloo group of --world-size ranks (CPU), forward + loss + backward + gradient average + AdamW step.
 
 Both steps use ClipLoss(local_loss=True, gather_with_grad=True, validate="on_change"); the compiled
 one wraps the forward and the loss in torch.compile(fullgraph=True) (--backend, inductor by default;
@@ -15,6 +15,7 @@ import sys
 import time
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.dist_utils import run_group  # noqa: E402
@@ -48,9 +49,12 @@ def _rank(rank, world, args):
             forward = torch.compile(forward, fullgraph=True, backend=args.backend)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
-        def step(forward=forward, optimizer=optimizer):
+        def step(forward=forward, optimizer=optimizer, model=model):
             value = forward(images, texts)
             value.backward()
+            for p in model.parameters():  # DDP's average, by hand (the ranks' parameters stay equal)
+                dist.all_reduce(p.grad)
+                p.grad /= world
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             return value.detach()

@@ -361,9 +361,15 @@ def _layout_while_compiling(fn, group, key, values, reported, describe, checks):
     retraces), and the compiled graph checks the header on the device at every call, as
     validate="on_change" does (clipshard/parallel/steady_state.py)."""
     ranks, tag = tuple(dist.get_process_group_ranks(group)), c10d._get_group_tag(group)
-    if reported is not None:  # the error's class travels by name (dynamo passes constants)
-        reported = (reported[0].__name__, *reported[1:])
-    sizes, negative_sizes, keys = _validated_while_tracing(fn, tag, ranks, key, reported, describe, checks)
+    # a size that dynamo made dynamic after a change is specialised again (len(range(n)) makes dynamo
+    # guard on n's value): the layout is a constant of the compiled graph
+    key = tuple(len(range(k)) if k >= 0 else k for k in key)
+    if reported is not None:  # the error's class by name and the rule it breaks (constants for dynamo; the
+        # message's "got ..." part may hold a symbolic size)
+        reported = (reported[0].__name__, reported[1])
+    # the values (logit scale and bias) are not known while tracing: the graph compares them
+    sizes, negative_sizes, keys = _validated_while_tracing(fn, tag, ranks, key, reported, describe,
+                                                           (False, *checks[1:]))
     steady_state.check_on_device(fn, group, keys, values, checks[0])
     return ShardLayout(sizes=sizes, rank=dist.get_rank(group), group=group, negative_sizes=negative_sizes)
 
@@ -376,7 +382,7 @@ def _validated_while_tracing(fn, tag, ranks, key, reported, describe, checks):
     group = c10d._find_pg_by_ranks_and_tag(tag, list(ranks))
     layout = steady_state.known_result(fn, group, key)
     if reported is not None:
-        reported = ({"ValueError": ValueError, "TypeError": TypeError}[reported[0]], *reported[1:])
+        reported = ({"ValueError": ValueError, "TypeError": TypeError}[reported[0]], reported[1], describe[reported[1]])
     if layout is None:
         layout = _validated_on_host(fn, group, list(key[1:]), (None, None), reported, describe, checks, "on_change")
     return layout.sizes, layout.negative_sizes, steady_state.known_keys(fn, group)
