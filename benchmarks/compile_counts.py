@@ -116,7 +116,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     paths = args.paths.split(",")
     results = run_group(measure_rank, args.world_size, paths, args.validate, timeout=3600)
-    print(f"{'path':32} {'graph breaks':>12} {'host reads per call':>20}   (rank 0; other ranks in brackets if they differ)")
+    print(f"{'path':32} {'graph breaks':>12} {'host reads per call':>20}   "
+          "(rank 0; other ranks in brackets if they differ)")
     for name in paths:
         mine = results[0][name]
         others = {r: res[name] for r, res in enumerate(results[1:], 1)
