@@ -2,9 +2,12 @@
 cross-entropy of the student's logits against a teacher's softmax), fused and sharded, for one
 teacher or an ensemble of teachers (docs/distillation.md)."""
 import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from clipshard.losses import base
 from clipshard.ops import check_algorithm
+from clipshard.ops.compile_marks import constant_under_compile
 from clipshard.ops.distill_lse import ALGORITHMS
 from clipshard.ops.inputs import SUPPORTED_DTYPES, Problem, check_flags
 from clipshard.parallel import distill_exchange
@@ -82,16 +85,29 @@ def _stack_logit_mean(images, texts, scales):
 def _check_teachers_agree(fn, group, images, texts, scales, same_scales, validate):
     """Raise on every rank if the ranks' teachers differ (the teacher count already agrees): per
     teacher its feature dimension, dtypes and requires_grad pattern, and with same_scales its
-    logit scale's value. validate="on_change": as base.shard_layout's, in a slot of its own."""
+    logit scale's value. validate="on_change": as base.shard_layout's, in a slot of its own; under
+    torch.compile the host check runs while dynamo traces and the graph checks the header."""
     fields = []
     for t_image, t_text, t_scale in zip(images, texts, scales):
         fields += [t_image.shape[1], base.DTYPE_CODES[t_image.dtype], base.DTYPE_CODES.get(t_scale.dtype, -1),
                    base.requires_grad_bits((t_image, t_text, t_scale))]
+    if torch.compiler.is_compiling():
+        key = tuple(len(range(f)) if f >= 0 else f for f in fields)  # sizes static (base._layout_while_compiling)
+        ranks, tag = tuple(dist.get_process_group_ranks(group)), c10d._get_group_tag(group)
+        keys = _teachers_while_tracing(fn, tag, ranks, key)
+        steady_state.check_on_device(fn, group, keys, scales, same_scales)
+        return
     if validate == "on_change" and steady_state.steady(fn, group, (0, *fields), scales, same_scales, "teachers"):
         return
+    _teachers_on_host(fn, group, fields, scales, same_scales, validate)
+
+
+def _teachers_on_host(fn, group, fields, scales, same_scales, validate):
+    """The teachers' metadata exchange and its checks on the host (4 fields per teacher)."""
     table, values = exchange_rows(fn, group, fields, scales)
-    for k in range(len(images)):
-        which = f"teacher {k}'s" if len(images) > 1 else "teacher's"
+    n_teachers = len(scales)
+    for k in range(n_teachers):
+        which = f"teacher {k}'s" if n_teachers > 1 else "teacher's"
         for j, (what, shown) in enumerate(((f"{which} feature dimension", {}),
                                            (f"{which} feature dtype", base.DTYPE_NAMES),
                                            (f"{which} dist_logit_scale dtype", base.DTYPE_NAMES),
@@ -99,11 +115,22 @@ def _check_teachers_agree(fn, group, images, texts, scales, same_scales, validat
                                             "dist_text_features, dist_logit_scale) under the grad mode", {}))):
             require_same(fn, [row[4 * k + j] for row in table], what, shown)
     if same_scales:
-        for k in range(len(images)):
-            name = f"dist_logit_scale (teacher {k})" if len(images) > 1 else "dist_logit_scale"
+        for k in range(n_teachers):
+            name = f"dist_logit_scale (teacher {k})" if n_teachers > 1 else "dist_logit_scale"
             base.require_same_values(fn, name, [row[k] for row in values])
     if validate == "on_change":
         steady_state.remember(fn, group, [(0, *row) for row in table], metadata_device(group), True, "teachers")
+
+
+@constant_under_compile
+def _teachers_while_tracing(fn, tag, ranks, key):
+    """The validated teachers' rows (steady_state.known_keys) for the compiled graph's header check;
+    the host check first when this rank's row is not the validated one (the scales' values travel as
+    NaN: the graph compares them)."""
+    group = c10d._find_pg_by_ranks_and_tag(tag, list(ranks))
+    if steady_state.known_result(fn, group, (0, *key), "teachers") is None:
+        _teachers_on_host(fn, group, list(key), [None] * (len(key) // 4), False, "on_change")
+    return steady_state.known_keys(fn, group, "teachers")
 
 
 class DistillClipLoss(torch.nn.Module):

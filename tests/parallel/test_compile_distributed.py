@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from compile_counts import path_inputs  # noqa: E402
 
 COMPILED_PATHS = ("clip exchange", "clip local", "clip local nograd", "clip exchange:ids-mask",
-                  "clip exchange:negatives", "clip exchange:image_to_text", "clip exchange:unequal", "siglip gather")
+                  "clip exchange:negatives", "clip exchange:image_to_text", "clip exchange:unequal", "siglip gather",
+                  "clip ring", "clip ring:unequal", "siglip ring:negatives", "distill exchange", "distill ring")
 CASES_2 = ([(name, "eager", torch.float32) for name in COMPILED_PATHS]
            + [("clip exchange", "aot_eager", torch.float32), ("siglip gather", "aot_eager", torch.float32),
               ("clip local", "aot_eager", torch.float64), ("clip exchange", "inductor", torch.float32)])
