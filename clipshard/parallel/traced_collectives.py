@@ -24,13 +24,30 @@ def gather_rows(x, layout):
     return torch.cat([out.narrow(0, q * width, size) for q, size in enumerate(layout.sizes)])
 
 
+class _CombineColumnLSE(torch.autograd.Function):
+    """C = logsumexp over ranks of the partial column LSEs c_r; backward: (the sum over ranks of the
+    gradients of C) * exp(c_r - C). The eager Function's operations in its order, so that the
+    compiled gradients have its rounding too (a logit_bias gradient is rounding noise around 0,
+    which Adam scales up to a full step: another formula would change the trained bias)."""
+
+    @staticmethod
+    def forward(ctx, partial, group):
+        high = fc.all_reduce(partial.detach(), "max", group)
+        high = torch.where(torch.isfinite(high), high, torch.zeros_like(high))
+        combined = high + torch.log(fc.all_reduce(torch.exp(partial - high), "sum", group))
+        ctx.group = group
+        ctx.save_for_backward(partial, combined)
+        return combined
+
+    @staticmethod
+    def backward(ctx, grad):
+        partial, combined = ctx.saved_tensors
+        return fc.all_reduce(grad.contiguous(), "sum", ctx.group) * torch.exp(partial - combined), None
+
+
 def combine_column_lse(partial, group):
-    """C = logsumexp over ranks of the partial column LSEs; through autograd, the gradient of a
-    rank's partial is (the sum over ranks of the gradients of C) * exp(c_r - C), as the eager
-    Function computes it."""
-    high = fc.all_reduce(partial.detach(), "max", group)
-    high = torch.where(torch.isfinite(high), high, torch.zeros_like(high))
-    return high + torch.log(fc.all_reduce(torch.exp(partial - high), "sum", group))
+    """C = logsumexp over ranks of the partial column LSEs, differentiable (_CombineColumnLSE)."""
+    return _CombineColumnLSE.apply(partial, group)
 
 
 def all_reduce_sum(x, group):
