@@ -136,6 +136,15 @@ else
   record "CUDA tests not run: pytest missing"
 fi
 
+step "compiled loss (torch.compile fullgraph, host reads per call, compiled vs eager time)"
+if run_step 30 "$LOG_DIR/gpu_compile_check.txt" "$PY" benchmarks/gpu_compile_check.py; then
+  record "compiled loss: $(grep -c " compiled: ok" "$LOG_DIR/gpu_compile_check.txt") of 2 ok; $(grep -m1 \
+    "on_change'" "$LOG_DIR/gpu_compile_check.txt")"
+else
+  record "COMPILED LOSS CHECK FAILED or timed out (see $LOG_DIR/gpu_compile_check.txt)"
+  status=1
+fi
+
 step "benchmarks (CUDA)"
 # name and time limit; the rank simulation is the headline (M = 8192 vs K = 65536, D = 768, bf16).
 # Limits: about 1.5-3x the per-step estimates of docs/gpu_check.md. With the checks before the

@@ -15,11 +15,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
+from clipshard.ops.compile_marks import constant_under_compile
 from clipshard.ops.inputs import (SUPPORTED_DTYPES, TARGETS, FeaturePair, LossScalar, Problem, check_flags,
                                   is_id_vector)
+from clipshard.parallel import steady_state
 from clipshard.parallel.agreement import differing_values, exchange_rows, require_same
-from clipshard.parallel.layout import ShardLayout, process_group, single_process_layout
+from clipshard.parallel.layout import ShardLayout, metadata_device, process_group, single_process_layout
 
 CLIP_MODES = ("exchange", "local", "ring")  # ClipLoss and DistillClipLoss
 SIGLIP_MODES = ("gather", "ring")
@@ -122,6 +125,7 @@ DTYPE_CODES = {dtype: k for k, dtype in enumerate(SUPPORTED_DTYPES)}
 DTYPE_NAMES = {k: str(dtype) for dtype, k in DTYPE_CODES.items()}
 
 
+@constant_under_compile
 def _device_code(device_type):
     """A number for a device type name, the same in every process (Python's hash() is salted per
     process): every device type torch supports is accepted, and ranks must agree on it."""
@@ -281,7 +285,7 @@ def input_problem(image, text, scale, bias, extras=NO_EXTRAS):
 
 
 def shard_layout(fn, image, text, scale, bias, group, options, *, rank_arg=None, world_size_arg=None,
-                 same_scale_and_bias=False, own_problem=None, extras=NO_EXTRAS):
+                 same_scale_and_bias=False, own_problem=None, extras=NO_EXTRAS, validate="every_call"):
     """Validate the inputs of all ranks (one metadata exchange with a process group) and return the
     ShardLayout. scale and bias are tensors already (as_scalar_tensor). rank_arg / world_size_arg
     are open_clip's constructor arguments, checked against the group when given.
@@ -290,7 +294,9 @@ def shard_layout(fn, image, text, scale, bias, group, options, *, rank_arg=None,
     (the distillation loss's teachers). extras: the
     Extras (sample_ids, targets, hard_negatives, direction): validated on every rank; presence,
     targets, direction and the hard negatives' D and dtype must agree; the layout's
-    negative_sizes are every rank's H_r (its negatives_layout() gathers them)."""
+    negative_sizes are every rank's H_r (its negatives_layout() gathers them). validate:
+    "every_call", or "on_change" (clipshard/parallel/steady_state.py: a call whose metadata row is
+    the one validated last checks it on the device, without a host read)."""
     problem = input_problem(image, text, scale, bias, extras)
     code = _RULES.index(problem.rule) + 1 if problem else 0
     if problem is None and own_problem is not None:
@@ -307,8 +313,23 @@ def shard_layout(fn, image, text, scale, bias, group, options, *, rank_arg=None,
                   *_option_codes(options), -1 if rank_arg is None else rank_arg,
                   -1 if world_size_arg is None else world_size_arg, DTYPE_CODES[scale.dtype],
                   -1 if bias is None else DTYPE_CODES[bias.dtype], *_extra_fields(extras)]
-    table, values = exchange_rows(fn, group, fields, (scale, bias) if problem is None else (None, None),
-                                  None if problem is None else (problem.error, code, problem.message))
+    values = (scale, bias) if problem is None else (None, None)
+    reported = None if problem is None else (problem.error, code, problem.message)
+    checks = (same_scale_and_bias, bias is not None, extras.hard_negatives is not None)
+    if torch.compiler.is_compiling():
+        return _layout_while_compiling(fn, group, (code, *fields), values, reported, checks)
+    if validate == "on_change":
+        layout = steady_state.steady(fn, group, (code, *fields), values, same_scale_and_bias)
+        if layout is not None:
+            return layout
+    return _validated_on_host(fn, group, fields, values, reported, checks, validate)
+
+
+def _validated_on_host(fn, group, fields, values, reported, checks, validate):
+    """The metadata exchange and every check of its table on the host; the ShardLayout. checks:
+    (same_scale_and_bias, has_bias, has_negatives)."""
+    same_scale_and_bias, has_bias, has_negatives = checks
+    table, values = exchange_rows(fn, group, fields, values, reported)
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     column = {name: [row[k] for row in table] for k, name in enumerate(FIELDS)}
     for q, (given_rank, given_size) in enumerate(zip(column["rank_arg"], column["world_size_arg"])):
@@ -323,10 +344,52 @@ def shard_layout(fn, image, text, scale, bias, group, options, *, rank_arg=None,
         else:
             require_same(fn, column[name], what, shown)
     if same_scale_and_bias:
-        for k, name in enumerate(("logit_scale", "logit_bias")[: 1 + (bias is not None)]):
+        for k, name in enumerate(("logit_scale", "logit_bias")[: 1 + has_bias]):
             require_same_values(fn, name, [row[k] for row in values])
-    negative_sizes = tuple(column["negatives"]) if extras.hard_negatives is not None else None
-    return ShardLayout(sizes=tuple(column["batch"]), rank=rank, group=group, negative_sizes=negative_sizes)
+    negative_sizes = tuple(column["negatives"]) if has_negatives else None
+    layout = ShardLayout(sizes=tuple(column["batch"]), rank=rank, group=group, negative_sizes=negative_sizes)
+    if validate == "on_change":
+        steady_state.remember(fn, group, [(0, *row) for row in table], metadata_device(group), layout)
+    return layout
+
+
+def _layout_while_compiling(fn, group, key, values, reported, checks):
+    """Under torch.compile: the host validation runs while dynamo traces (when this rank's row is
+    not the one validated last; compiled code is specialised on the shapes it saw, and a change
+    retraces), and the compiled graph checks the header on the device at every call, as
+    validate="on_change" does (clipshard/parallel/steady_state.py)."""
+    ranks, tag = tuple(dist.get_process_group_ranks(group)), c10d._get_group_tag(group)
+    # a size that dynamo made dynamic after a change is specialised again (len(range(n)) makes dynamo
+    # guard on n's value): the layout is a constant of the compiled graph
+    key = tuple(len(range(k)) if k >= 0 else k for k in key)
+    if reported is not None:  # the error's class by name and the rule it breaks (constants for dynamo; the
+        # message's "got ..." part may hold a symbolic size)
+        reported = (reported[0].__name__, reported[1])
+    # the values (logit scale and bias) are not known while tracing: the graph compares them
+    sizes, negative_sizes, keys = _validated_while_tracing(fn, tag, ranks, key, reported,
+                                                           (False, *checks[1:]))
+    steady_state.check_on_device(fn, group, keys, values, checks[0])
+    return ShardLayout(sizes=sizes, rank=dist.get_rank(group), group=group, negative_sizes=negative_sizes)
+
+
+@constant_under_compile
+def _validated_while_tracing(fn, tag, ranks, key, reported, checks):
+    """(sizes, negative sizes, every rank's validated row) for `_layout_while_compiling`; dynamo
+    calls this once while tracing, with real values (the logit scalars travel as NaN: the compiled
+    graph compares them)."""
+    group = c10d._find_pg_by_ranks_and_tag(tag, list(ranks))
+    layout = steady_state.known_result(fn, group, key)
+    if reported is not None:
+        reported = ({"ValueError": ValueError, "TypeError": TypeError}[reported[0]], reported[1], _rule_of(reported[1]))
+    if layout is None:
+        layout = _validated_on_host(fn, group, list(key[1:]), (None, None), reported, checks, "on_change")
+    return layout.sizes, layout.negative_sizes, steady_state.known_keys(fn, group)
+
+
+def _rule_of(code):
+    """The rule a problem code breaks, for the message of a rank whose inputs were seen while dynamo
+    traced (their own message may hold a symbolic size)."""
+    return _RULES[code - 1] if code <= len(_RULES) else "the loss's own inputs break its rules (its error says which)"
 
 
 def _with_negatives(layout, extras):

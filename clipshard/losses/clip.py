@@ -8,6 +8,7 @@ from clipshard.ops import check_algorithm
 from clipshard.ops.contrastive_lse import ALGORITHMS, contrastive_lse
 from clipshard.ops.inputs import check_flags
 from clipshard.parallel import exchange
+from clipshard.parallel.steady_state import check_validate
 
 
 def _single_device_loss(image_features, text_features, logit_scale, logit_bias=None, algorithm="auto"):
@@ -39,7 +40,7 @@ def _single_device_targets_loss(image, text, scale, bias, algorithm, pairs):
 
 
 def _loss(fn, image, text, scale, bias, *, local_loss, gather_with_grad, mode, group, rank_arg=None,
-          world_size_arg=None, algorithm="auto", extras=base.NO_EXTRAS):
+          world_size_arg=None, algorithm="auto", extras=base.NO_EXTRAS, validate="every_call"):
     if group is None:  # the op checks and names the scalars
         base.FEATURES.check(fn, image, text)
         base.check_extras(fn, extras, image, text)
@@ -52,7 +53,7 @@ def _loss(fn, image, text, scale, bias, *, local_loss, gather_with_grad, mode, g
         fn, image, text, scale, bias, group,
         base.Options("the CLIP loss", mode, local_loss=local_loss, gather_with_grad=gather_with_grad),
         rank_arg=rank_arg, world_size_arg=world_size_arg,
-        same_scale_and_bias=base.mixes_ranks_scales(local_loss, mode), extras=extras)
+        same_scale_and_bias=base.mixes_ranks_scales(local_loss, mode), extras=extras, validate=validate)
     pairs = _pair_targets(extras)
     if layout.world_size == 1:  # a group of one: every option gives the single-device loss
         if pairs.plain:
@@ -76,7 +77,7 @@ def _extras(direction, hard_negatives, sample_ids, targets):
 
 def clip_loss(image_features, text_features, logit_scale, logit_bias=None, *, local_loss=False,
               gather_with_grad=True, mode=None, group=None, algorithm="auto", direction="both",
-              hard_negatives=None, sample_ids=None, targets=None):
+              hard_negatives=None, sample_ids=None, targets=None, validate="every_call"):
     """CLIP contrastive loss (CE over image rows + CE over text rows) / 2, never materialising the
     similarity matrix.
 
@@ -99,13 +100,19 @@ def clip_loss(image_features, text_features, logit_scale, logit_bias=None, *, lo
     sample_ids, "mask" (the default: pairs of one id other than the own pair leave the
     denominators) or "multi" (every same-id pair is a positive: the positive term is the mean
     logit of the same-id pairs).
+
+    validate: "every_call" (the ranks' inputs are validated on the host at every call) or
+    "on_change" (validated on the host at the first call and whenever this rank's shapes, dtypes or
+    options change, otherwise checked on the device without a host read; every rank must change at
+    the same call: docs/distributed.md, "Compiling and host syncs").
     """
     mode = base.resolve_mode("clip_loss", mode, local_loss, gather_with_grad)
+    check_validate("clip_loss", validate)
     check_algorithm("clip_loss", algorithm, ALGORITHMS)
     group = base.resolve_group("clip_loss", group)
     return _loss("clip_loss", image_features, text_features, logit_scale, logit_bias, local_loss=local_loss,
                  gather_with_grad=gather_with_grad, mode=mode, group=group, algorithm=algorithm,
-                 extras=_extras(direction, hard_negatives, sample_ids, targets))
+                 extras=_extras(direction, hard_negatives, sample_ids, targets), validate=validate)
 
 
 class ClipLoss(torch.nn.Module):
@@ -116,11 +123,12 @@ class ClipLoss(torch.nn.Module):
     world_size=1 with no `group` computes this process's loss alone, like open_clip. Otherwise the
     process group is `group` (default: the world group); rank and world_size, when not left at
     their defaults, must agree with it. cache_labels is accepted and has no effect (no label tensor
-    is built). mode, algorithm, direction: see clip_loss. Horovod is not supported.
+    is built). mode, algorithm, direction, validate: see clip_loss. Horovod is not supported.
     """
 
     def __init__(self, local_loss=False, gather_with_grad=False, cache_labels=False, rank=0,
-                 world_size=1, use_horovod=False, *, mode=None, group=None, algorithm="auto", direction="both"):
+                 world_size=1, use_horovod=False, *, mode=None, group=None, algorithm="auto", direction="both",
+                 validate="every_call"):
         super().__init__()
         check_flags("ClipLoss", cache_labels=cache_labels, use_horovod=use_horovod)
         base.check_rank_and_world_size("ClipLoss", rank, world_size)
@@ -137,6 +145,8 @@ class ClipLoss(torch.nn.Module):
         self.algorithm = algorithm
         base.check_direction("ClipLoss", direction)
         self.direction = direction
+        check_validate("ClipLoss", validate)
+        self.validate = validate
 
     def forward(self, image_features, text_features, logit_scale, logit_bias=None, output_dict=False, *,
                 hard_negatives=None, sample_ids=None, targets=None):
@@ -164,5 +174,5 @@ class ClipLoss(torch.nn.Module):
                      gather_with_grad=self.gather_with_grad, mode=self.mode, group=group,
                      rank_arg=self.rank if explicit and not alone else None,
                      world_size_arg=self.world_size if explicit and not alone else None, algorithm=self.algorithm,
-                     extras=_extras(self.direction, hard_negatives, sample_ids, targets))
+                     extras=_extras(self.direction, hard_negatives, sample_ids, targets), validate=self.validate)
         return {"contrastive_loss": loss} if output_dict else loss

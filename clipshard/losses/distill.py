@@ -2,13 +2,19 @@
 cross-entropy of the student's logits against a teacher's softmax), fused and sharded, for one
 teacher or an ensemble of teachers (docs/distillation.md)."""
 import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from clipshard.losses import base
 from clipshard.ops import check_algorithm
+from clipshard.ops.compile_marks import constant_under_compile
 from clipshard.ops.distill_lse import ALGORITHMS
 from clipshard.ops.inputs import SUPPORTED_DTYPES, Problem, check_flags
 from clipshard.parallel import distill_exchange
+from clipshard.parallel import steady_state
 from clipshard.parallel.agreement import exchange_rows, require_same
+from clipshard.parallel.layout import metadata_device
+from clipshard.parallel.steady_state import check_validate
 
 
 def _as_list(value):
@@ -72,17 +78,32 @@ def _stack_logit_mean(images, texts, scales):
             (first / len(images)).reshape(1), weights)
 
 
-def _check_teachers_agree(fn, group, images, texts, scales, same_scales):
+def _check_teachers_agree(fn, group, images, texts, scales, same_scales, validate):
     """Raise on every rank if the ranks' teachers differ (the teacher count already agrees): per
     teacher its feature dimension, dtypes and requires_grad pattern, and with same_scales its
-    logit scale's value."""
+    logit scale's value. validate="on_change": as base.shard_layout's, in a slot of its own; under
+    torch.compile the host check runs while dynamo traces and the graph checks the header."""
     fields = []
     for t_image, t_text, t_scale in zip(images, texts, scales):
         fields += [t_image.shape[1], base.DTYPE_CODES[t_image.dtype], base.DTYPE_CODES.get(t_scale.dtype, -1),
                    base.requires_grad_bits((t_image, t_text, t_scale))]
+    if torch.compiler.is_compiling():
+        key = tuple(len(range(f)) if f >= 0 else f for f in fields)  # sizes static (base._layout_while_compiling)
+        ranks, tag = tuple(dist.get_process_group_ranks(group)), c10d._get_group_tag(group)
+        keys = _teachers_while_tracing(fn, tag, ranks, key)
+        steady_state.check_on_device(fn, group, keys, scales, same_scales)
+        return
+    if validate == "on_change" and steady_state.steady(fn, group, (0, *fields), scales, same_scales, "teachers"):
+        return
+    _teachers_on_host(fn, group, fields, scales, same_scales, validate)
+
+
+def _teachers_on_host(fn, group, fields, scales, same_scales, validate):
+    """The teachers' metadata exchange and its checks on the host (4 fields per teacher)."""
     table, values = exchange_rows(fn, group, fields, scales)
-    for k in range(len(images)):
-        which = f"teacher {k}'s" if len(images) > 1 else "teacher's"
+    n_teachers = len(scales)
+    for k in range(n_teachers):
+        which = f"teacher {k}'s" if n_teachers > 1 else "teacher's"
         for j, (what, shown) in enumerate(((f"{which} feature dimension", {}),
                                            (f"{which} feature dtype", base.DTYPE_NAMES),
                                            (f"{which} dist_logit_scale dtype", base.DTYPE_NAMES),
@@ -90,9 +111,22 @@ def _check_teachers_agree(fn, group, images, texts, scales, same_scales):
                                             "dist_text_features, dist_logit_scale) under the grad mode", {}))):
             require_same(fn, [row[4 * k + j] for row in table], what, shown)
     if same_scales:
-        for k in range(len(images)):
-            name = f"dist_logit_scale (teacher {k})" if len(images) > 1 else "dist_logit_scale"
+        for k in range(n_teachers):
+            name = f"dist_logit_scale (teacher {k})" if n_teachers > 1 else "dist_logit_scale"
             base.require_same_values(fn, name, [row[k] for row in values])
+    if validate == "on_change":
+        steady_state.remember(fn, group, [(0, *row) for row in table], metadata_device(group), True, "teachers")
+
+
+@constant_under_compile
+def _teachers_while_tracing(fn, tag, ranks, key):
+    """The validated teachers' rows (steady_state.known_keys) for the compiled graph's header check;
+    the host check first when this rank's row is not the validated one (the scales' values travel as
+    NaN: the graph compares them)."""
+    group = c10d._find_pg_by_ranks_and_tag(tag, list(ranks))
+    if steady_state.known_result(fn, group, (0, *key), "teachers") is None:
+        _teachers_on_host(fn, group, list(key), [None] * (len(key) // 4), False, "on_change")
+    return steady_state.known_keys(fn, group, "teachers")
 
 
 class DistillClipLoss(torch.nn.Module):
@@ -106,11 +140,13 @@ class DistillClipLoss(torch.nn.Module):
     gather_with_grad as there), plus average_after_softmax: for an ensemble of teachers (lists of
     features and scales in forward), the target of each row is the mean of the teachers' softmaxes
     (True, MobileCLIP's ensemble) or the softmax of the mean of their logits (False). algorithm:
-    "auto", "compiled" or "torch" (clipshard.ops.distill_lse). Horovod is not supported.
+    "auto", "compiled" or "torch" (clipshard.ops.distill_lse). validate: see clipshard.clip_loss.
+    Horovod is not supported.
     """
 
     def __init__(self, local_loss=False, gather_with_grad=False, cache_labels=False, rank=0, world_size=1,
-                 use_horovod=False, *, mode=None, group=None, algorithm="auto", average_after_softmax=False):
+                 use_horovod=False, *, mode=None, group=None, algorithm="auto", average_after_softmax=False,
+                 validate="every_call"):
         super().__init__()
         fn = "DistillClipLoss"
         check_flags(fn, cache_labels=cache_labels, use_horovod=use_horovod,
@@ -124,6 +160,8 @@ class DistillClipLoss(torch.nn.Module):
         check_algorithm(fn, algorithm, ALGORITHMS)
         self.algorithm = algorithm
         self.average_after_softmax = average_after_softmax
+        check_validate(fn, validate)
+        self.validate = validate
 
     def forward(self, image_features, text_features, logit_scale, dist_image_features, dist_text_features,
                 dist_logit_scale, output_dict=False):
@@ -156,9 +194,9 @@ class DistillClipLoss(torch.nn.Module):
         layout = base.shard_layout(
             fn, image_features, text_features, scale, None, group, options,
             rank_arg=self.rank if explicit else None, world_size_arg=self.world_size if explicit else None,
-            same_scale_and_bias=mixes, own_problem=teacher_problem)
+            same_scale_and_bias=mixes, own_problem=teacher_problem, validate=self.validate)
         if group is not None:  # the teachers must agree across ranks too (their count does already)
-            _check_teachers_agree(fn, group, images, texts, scales, mixes)
+            _check_teachers_agree(fn, group, images, texts, scales, mixes, self.validate)
         stack = _stack_after_softmax if self.average_after_softmax else _stack_logit_mean
         n = len(images)
         teachers = (images + texts + scales, lambda *leaves: stack(leaves[:n], leaves[n:2 * n], leaves[2 * n:]))

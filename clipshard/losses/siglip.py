@@ -33,6 +33,7 @@ from clipshard.ops.inputs import check_flags
 from clipshard.ops.siglip_sum import ALGORITHMS, siglip_sum
 from clipshard.parallel import collectives
 from clipshard.parallel.siglip_ring import siglip_ring_loss
+from clipshard.parallel.steady_state import check_validate
 
 DIST_IMPLS = ("bidir", "shift", "reduce", "gather")
 MODES = base.SIGLIP_MODES
@@ -62,10 +63,10 @@ def _extras(hard_negatives, sample_ids, targets):
 
 
 def _loss(fn, image, text, scale, bias, group, rank_arg=None, world_size_arg=None, algorithm="auto",
-          mode="gather", extras=base.NO_EXTRAS):
+          mode="gather", extras=base.NO_EXTRAS, validate="every_call"):
     scale, bias = base.as_scalar_tensor(scale, image), base.as_scalar_tensor(bias, image)
     layout = base.shard_layout(fn, image, text, scale, bias, group, base.Options("the SigLIP loss", mode),
-                               rank_arg=rank_arg, world_size_arg=world_size_arg, extras=extras)
+                               rank_arg=rank_arg, world_size_arg=world_size_arg, extras=extras, validate=validate)
     if extras.sample_ids is not None or extras.hard_negatives is not None:
         return _loss_with_extras(image, text, scale, bias, layout, algorithm, mode, extras)
     if mode == "ring" and layout.world_size > 1:
@@ -95,7 +96,7 @@ def _loss_with_extras(image, text, scale, bias, layout, algorithm, mode, extras)
 
 
 def siglip_loss(image_features, text_features, logit_scale, logit_bias=None, *, group=None, algorithm="auto",
-                mode=None, hard_negatives=None, sample_ids=None, targets=None):
+                mode=None, hard_negatives=None, sample_ids=None, targets=None, validate="every_call"):
     """SigLIP's sigmoid loss, never materialising the logits.
 
     Distributed when `group` is given or torch.distributed is initialised (then over the world
@@ -106,14 +107,15 @@ def siglip_loss(image_features, text_features, logit_scale, logit_bias=None, *, 
     siglip_sum's ("auto", "chunked" or "torch"; docs/portable.md). mode: "gather" (None, the
     default: the texts are all-gathered) or "ring" (the same loss and gradients with the text blocks
     passed between neighbouring ranks: per-rank memory independent of the world size; docs/siglip.md).
-    hard_negatives, sample_ids, targets: as SigLipLoss.forward's.
+    hard_negatives, sample_ids, targets: as SigLipLoss.forward's. validate: as clip_loss's.
     Returns a 0-dim fp32 tensor (fp64 for fp64 features).
     """
     check_algorithm("siglip_loss", algorithm, ALGORITHMS)
     mode = _check_mode("siglip_loss", mode)
+    check_validate("siglip_loss", validate)
     group = base.resolve_group("siglip_loss", group)
     return _loss("siglip_loss", image_features, text_features, logit_scale, logit_bias, group, algorithm=algorithm,
-                 mode=mode, extras=_extras(hard_negatives, sample_ids, targets))
+                 mode=mode, extras=_extras(hard_negatives, sample_ids, targets), validate=validate)
 
 
 class SigLipLoss(torch.nn.Module):
@@ -124,12 +126,13 @@ class SigLipLoss(torch.nn.Module):
     process group is `group` (default: the world group); rank and world_size, when not left at their
     defaults, must agree with it. dist_impl: any of open_clip's values ('bidir', the default,
     'shift', 'reduce', 'gather'); all give the same result: the schedule is `mode`'s, not dist_impl's.
-    cache_labels is accepted and has no effect (no label tensor is built). algorithm, mode: see
+    cache_labels is accepted and has no effect (no label tensor is built). validate: see clipshard.clip_loss.
+    algorithm, mode: see
     siglip_loss (mode="ring" keeps open_clip's neighbour exchanges' O(M D) per-rank memory).
     """
 
     def __init__(self, cache_labels=False, rank=0, world_size=1, dist_impl=None, *, group=None, algorithm="auto",
-                 mode=None):
+                 mode=None, validate="every_call"):
         super().__init__()
         check_flags("SigLipLoss", cache_labels=cache_labels)
         base.check_rank_and_world_size("SigLipLoss", rank, world_size)
@@ -141,6 +144,8 @@ class SigLipLoss(torch.nn.Module):
         check_algorithm("SigLipLoss", algorithm, ALGORITHMS)
         self.algorithm = algorithm
         self.mode = _check_mode("SigLipLoss", mode)
+        check_validate("SigLipLoss", validate)
+        self.validate = validate
 
     def forward(self, image_features, text_features, logit_scale, logit_bias, output_dict=False, *,
                 hard_negatives=None, sample_ids=None, targets=None):
@@ -180,5 +185,5 @@ class SigLipLoss(torch.nn.Module):
             loss = _loss("SigLipLoss", image_features, text_features, logit_scale, logit_bias, group,
                          rank_arg=self.rank if explicit else None,
                          world_size_arg=self.world_size if explicit else None, algorithm=self.algorithm,
-                         mode=self.mode, extras=extras)
+                         mode=self.mode, extras=extras, validate=self.validate)
         return {"contrastive_loss": loss} if output_dict else loss

@@ -9,9 +9,13 @@ its block one step behind: every rank folds its part in and passes it on, and af
 back with the block's owner, complete. Point-to-point transfers only (`batch_isend_irecv`, a send
 to the next rank and a receive from the previous one in one batch, the pattern NCCL needs to avoid
 a deadlock in a ring); the order of every fold is fixed, so results are bitwise reproducible.
+Under torch.compile a shift is a functional all-to-all with one non-empty send and receive
+(traced_collectives.ring_shift), which dynamo traces; the compiler places its wait.
 """
 import torch
 import torch.distributed as dist
+
+from clipshard.parallel import traced_collectives as traced
 
 # gloo matches point-to-point messages by (peer, tag): blocks and travelling buffers use their own
 # tags (NCCL ignores tags and matches in issue order, which is the same on every rank).
@@ -34,18 +38,24 @@ class Ring:
 
     def shift(self, sends, receive_into, tag):
         """Start sending every tensor of `sends` to the next rank and receiving into the buffers
-        `receive_into` from the previous rank; returns a handle for `wait`."""
-        group = self.layout.group
+        `receive_into` from the previous rank; returns a handle for `wait`, which returns the
+        received tensors (under torch.compile new tensors shaped like the buffers)."""
+        group, n, r = self.layout.group, self.layout.world_size, self.layout.rank
+        if torch.compiler.is_compiling():
+            return None, [traced.ring_shift(t, like, (r + 1) % n, (r - 1) % n, n, group)
+                          for t, like in zip(sends, receive_into)]
         ops = [dist.P2POp(dist.isend, t, self.next, group, tag) for t in sends]
         ops += [dist.P2POp(dist.irecv, t, self.prev, group, tag) for t in receive_into]
         # the tensors must stay alive until the transfer is done: keep them with the works
-        return dist.batch_isend_irecv(ops), sends
+        return dist.batch_isend_irecv(ops), receive_into, sends
 
     @staticmethod
     def wait(handle):
-        if handle is not None:
-            for work in handle[0]:
-                work.wait()
+        if handle is None:
+            return None
+        for work in handle[0] or ():
+            work.wait()
+        return handle[1]
 
 
 def blocks(ring, text, companion=None):
@@ -67,9 +77,9 @@ def blocks(ring, text, companion=None):
             next_companions = tuple(c.new_empty(*c.shape[:-1], k_next) for c in companions)
             handle = ring.shift([block, *companions], [next_block, *next_companions], _BLOCK_TAG)
         yield step, block, (companions[0] if companions else None) if single else companions
-        ring.wait(handle)
+        received = ring.wait(handle)
         if step < n - 1:
-            block, companions = next_block, next_companions
+            block, companions = received[0], tuple(received[1:])
 
 
 class Travelling:
@@ -80,18 +90,15 @@ class Travelling:
 
     def __init__(self, ring, combine):
         self.ring, self.combine = ring, combine
-        self.incoming, self.handle = None, None
+        self.handle = None
 
     def fold(self, step, part):
         if step == 0:
             accumulator = self.combine(None, part)
         else:
-            self.ring.wait(self.handle)
-            accumulator = self.combine(self.incoming, part)
+            accumulator = self.combine(self.ring.wait(self.handle)[0], part)
         shape = (self.ring.block_size(step + 1),) + tuple(accumulator.shape[1:])
-        self.incoming = accumulator.new_empty(shape)
-        self.handle = self.ring.shift([accumulator], [self.incoming], _TRAVEL_TAG)
+        self.handle = self.ring.shift([accumulator], [accumulator.new_empty(shape)], _TRAVEL_TAG)
 
     def result(self):
-        self.ring.wait(self.handle)
-        return self.incoming
+        return self.ring.wait(self.handle)[0]

@@ -9,12 +9,19 @@ ever see local tensors:
   distillation loss combines its partial column statistics with it); `all_reduce_sum` and
   `same_on_every_rank` without autograd.
 
+Under torch.compile the same functions use functional collectives
+(torch.distributed._functional_collectives), which dynamo traces and whose autograd formulas are
+the ones above (all-gather <-> reduce-scatter sum, all-reduce sum <-> all-reduce sum), so a compiled
+step has no graph break here (docs/distributed.md, "Compiling and host syncs").
+
 The process group's backend decides the transport (NCCL/RCCL for CUDA and ROCm tensors, gloo for
 CPU tensors, XCCL for XPU, ...); nothing here depends on the device type. Features travel in their
 own dtype; log-sum-exps travel in fp32.
 """
 import torch
 import torch.distributed as dist
+
+from clipshard.parallel import traced_collectives as traced
 
 # Recent torch versions renamed the single-tensor collectives (deprecating the old names); older
 # versions only have the old names.
@@ -76,6 +83,8 @@ def gather_rows(x, layout, *, with_grad=True):
     gradient of the result is reduce-scattered back (summed over ranks) to each rank's `x`."""
     if layout.world_size == 1:
         return x if with_grad else x.detach()
+    if torch.compiler.is_compiling():
+        return traced.gather_rows(x if with_grad else x.detach(), layout)
     if with_grad:
         return _GatherRows.apply(x, layout)
     with torch.no_grad():
@@ -123,6 +132,8 @@ def combine_column_lse(partial, layout):
     """Global column LSE from each rank's partial column LSE (fp32 or wider)."""
     if layout.world_size == 1:
         return partial
+    if torch.compiler.is_compiling():
+        return traced.combine_column_lse(partial, layout.group)
     return _CombineColumnLSE.apply(partial, layout.group)
 
 
@@ -136,11 +147,13 @@ def same_on_every_rank(values, layout):
     packed = torch.cat([finite_or_inf, -finite_or_inf, nan.double()])
     dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=layout.group)
     high, negated_low, any_nan = packed.split(values.numel())
-    return bool((high == -negated_low).all()) and not bool(any_nan.any())
+    return bool((high == -negated_low).all() & (any_nan == 0).all())  # one read by the host
 
 
 def all_reduce_sum(x, layout):
     """Sum over ranks of a (detached) tensor; no autograd."""
+    if torch.compiler.is_compiling() and layout.world_size > 1:
+        return traced.all_reduce_sum(x.detach(), layout.group)
     x = x.detach().clone()
     if layout.world_size > 1:
         dist.all_reduce(x, op=dist.ReduceOp.SUM, group=layout.group)
@@ -169,4 +182,6 @@ def all_reduce_sum_with_grad(x, layout):
     """Sum over ranks of `x`, differentiable (module docstring)."""
     if layout.world_size == 1:
         return x
+    if torch.compiler.is_compiling():
+        return traced.all_reduce_sum(x, layout.group)
     return _AllReduceSum.apply(x, layout.group)

@@ -143,7 +143,8 @@ class _SigLipRingMean(torch.autograd.Function):
         image, text, scale, bias, negatives, ids = ctx.saved_tensors
         layout, unit = ctx.layout, ctx.unit_grads
         ctx.unit_grads = None
-        if unit is not None and same_on_every_rank(grad, layout):
+        # (under torch.compile the question would be a host read: the second pass always runs)
+        if unit is not None and not torch.compiler.is_compiling() and same_on_every_rank(grad, layout):
             # every rank weighs its loss alike: the forward's travelling text gradients are right
             factor, grads = grad, unit
         else:  # a second pass, with this rank's own weight on every block of its row
@@ -171,6 +172,8 @@ def siglip_ring_loss(image, text, scale, bias, layout, algorithm="auto", *, samp
     hard_negatives (this rank's H_r x D, layout.negative_sizes every rank's H_q; None when no rank has
     any) are -1 columns for every image."""
     inputs = (image, text, scale) + tuple(t for t in (bias, hard_negatives) if t is not None)
-    with_grad = torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+    # under torch.compile the backward makes its own pass (see _SigLipRingMean.backward): the forward is loss-only
+    with_grad = (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
+                 and not torch.compiler.is_compiling())
     return _SigLipRingMean.apply(image, text, scale, bias, hard_negatives, sample_ids, layout, algorithm,
                                  targets == "mask", with_grad)
