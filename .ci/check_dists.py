@@ -61,7 +61,9 @@ def wheel_problems(path, torch_version):
     if torch_requirements != [f"torch=={release}.*"]:
         problems.append(f"Requires-Dist for torch is {torch_requirements}, expected ['torch=={release}.*'] "
                         f"(the release line of torch {torch_version})")
-    for field in ("License-Expression", "Description-Content-Type"):
+    if not any(n.endswith(".dist-info/licenses/LICENSE") or n.endswith(".dist-info/LICENSE") for n in names):
+        problems.append("the wheel has no LICENSE")
+    for field in ("License", "Description-Content-Type"):
         if not metadata.get(field):
             problems.append(f"the metadata has no {field}")
     counts = {"files": len(names), "python": len(python & names), "libraries": len(libraries),

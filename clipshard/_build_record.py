@@ -48,7 +48,7 @@ def mismatch(record, torch_version, torch_cuda):
         return f"it was built with torch {built_torch}, and torch {torch_version} is running"
     if built_cuda != "none" and torch_cuda is None:
         return f"it was built with CUDA {built_cuda} kernels, and the running torch {torch_version} is a CPU-only build"
-    if built_cuda != "none" and built_cuda.split(".")[0] != torch_cuda.split(".")[0]:
+    if re.match(r"\d+\.", built_cuda) and built_cuda.split(".")[0] != torch_cuda.split(".")[0]:
         return f"its CUDA kernels were built with CUDA {built_cuda}, and the running torch {torch_version} uses CUDA {torch_cuda}"
     return None
 
