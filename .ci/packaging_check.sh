@@ -22,6 +22,7 @@ mkdir -p "$WORK/dist" "$WORK/wheel"
 
 python3 -m venv "$WORK/tools"
 "$WORK/tools/bin/python" -m pip install -q --disable-pip-version-check build twine
+step "the tools venv (build, twine) made"
 "$WORK/tools/bin/python" -m build --sdist --outdir "$WORK/dist" . > "$WORK/sdist.log" 2>&1 || { tail -n 30 "$WORK/sdist.log"; exit 1; }
 SDIST=$(ls "$WORK"/dist/clipshard-*.tar.gz)
 "$PY" .ci/check_dists.py sdist "$SDIST"
@@ -29,11 +30,12 @@ step "sdist built in isolation and checked"
 
 "$PY" -m venv "$WORK/torch-only"
 VPY=$WORK/torch-only/bin/python
+"$VPY" -m pip uninstall -q -y setuptools  # a new venv's own (65 on Python 3.11) would shadow torch's
 "$PY" .ci/torch_only_site.py "$WORK/torch-only-site" ninja
 "$VPY" -c "import site; print('$WORK/torch-only-site', file=open(site.getsitepackages()[0] + '/torch_only.pth', 'w'))"
 ln -s "$(cd "$(dirname "$PY")" && pwd)/ninja" "$WORK/torch-only/bin/ninja"  # ninja's binary; torch looks for it on PATH
 export PATH=$WORK/torch-only/bin:$PATH
-TORCH=$("$VPY" -c "import torch; print(torch.__version__)")
+TORCH=$("$VPY" -c "import importlib.metadata as m; print(m.version('torch'))")  # as pip sees it: 2.14.1
 
 if "$VPY" -m pip install -q --disable-pip-version-check --no-deps "$SDIST" > "$WORK/isolated.log" 2>&1; then
   echo "packaging_check: an isolated pip install of the sdist succeeded: expected clipshard's message"; exit 1

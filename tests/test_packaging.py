@@ -1,5 +1,6 @@
 """Packaging (docs/packaging.md): the sdist holds what a build needs, a build that cannot import torch
 says what to do, and a library built for another torch release is refused before it is loaded."""
+import importlib.metadata
 import importlib.util
 import os
 import shutil
@@ -46,7 +47,7 @@ def test_a_build_without_torch_says_what_to_do_in_its_first_line():
 def test_the_isolation_message_names_the_torch_found_and_the_exact_command():
     pip = [sys.executable, "-m", "pip", "install", "dist/clipshard-0.1.0.tar.gz"]
     first = build_support.missing_torch_message(pip).splitlines()[0]
-    assert f"torch {torch.__version__} for {sys.executable}" in first
+    assert f"torch {importlib.metadata.version('torch')} for {sys.executable}" in first
     assert first.endswith(f"run  {sys.executable} -m pip install --no-build-isolation dist/clipshard-0.1.0.tar.gz")
     assert build_support.without_isolation([sys.executable, "-m", "build"]) == [sys.executable, "-m", "build",
                                                                                 "--no-isolation"]
