@@ -3,6 +3,7 @@ says what to do, and a library built for another torch release is refused before
 import importlib.metadata
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -64,6 +65,19 @@ def test_the_sdist_needs_no_torch_and_asks_for_the_floor():
     requires = open(os.path.join(with_tmp, "clipshard.egg-info", "requires.txt")).read().split("\n\n")[0].split()
     shutil.rmtree(with_tmp)
     assert requires == [build_support.torch_floor().replace(" ", "")]
+
+
+def test_a_build_s_metadata_pins_the_running_torch_release_and_labels_it_on_request(tmp_path):
+    env = {**os.environ, "USE_CUDA": "0", "CLIPSHARD_LOCAL_VERSION": "1"}
+    done = subprocess.run([sys.executable, "setup.py", "-q", "dist_info", "-o", str(tmp_path)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    (metadata,) = tmp_path.glob("clipshard-*.dist-info/METADATA")
+    lines = metadata.read_text().splitlines()
+    release = _build_record.release(torch.__version__)
+    assert f"Version: 0.1.0+torch{release}cpu" in lines
+    torch_requirements = [line for line in lines if re.match(r"Requires-Dist: torch\b", line)]
+    assert torch_requirements == [f"Requires-Dist: torch=={release}.*"]
 
 
 @pytest.mark.parametrize("torch_version, expected", [
