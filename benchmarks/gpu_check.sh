@@ -108,7 +108,7 @@ print(f'torch {torch.__version__}: addmm.dtype_out with an fp32 accumulator on C
 
 step "self-check (python -m clipshard: what a user runs first; from the installed wheel, outside the tree)"
 if run_step 20 "$LOG_DIR/self_check.txt" bash -c 'cd /tmp && exec "$@"' _ \
-    env PYTHONPATH="$INSTALLED${PYTHONPATH#"$PWD"}" "$PY" -m clipshard; then
+    env PYTHONPATH="$INSTALLED${PYTHONPATH#"$PWD"}" "$("$PY" -c "import sys; print(sys.executable)")" -m clipshard; then
   record "self-check: $(tail -n 1 "$LOG_DIR/self_check.txt")"
 else
   cat "$LOG_DIR/self_check.txt"
