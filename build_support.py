@@ -94,11 +94,14 @@ def installed_torch(python):
 
 
 def without_isolation(command):
-    """`command` (pip / uv pip install or wheel, python -m build) with build isolation turned off."""
-    for i, arg in enumerate(command):
-        if arg in ("install", "wheel", "download"):
-            return command[:i + 1] + ["--no-build-isolation"] + command[i + 1:]
-    if "build" in command or os.path.basename(command[0]) == "pyproject-build":
+    """`command` (pip / uv pip install, wheel or download; python -m build) with build isolation turned off,
+    None for any other command."""
+    programs = [os.path.basename(arg) for arg in command[:3]]
+    if any(program.startswith("pip") for program in programs):
+        for i, arg in enumerate(command):
+            if arg in ("install", "wheel", "download"):
+                return command[:i + 1] + ["--no-build-isolation"] + command[i + 1:]
+    if command[1:3] == ["-m", "build"] or "pyproject-build" in programs[:2]:
         return command + ["--no-isolation"]
     return None
 

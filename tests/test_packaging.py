@@ -52,6 +52,9 @@ def test_the_isolation_message_names_the_torch_found_and_the_exact_command():
     assert first.endswith(f"run  {sys.executable} -m pip install --no-build-isolation dist/clipshard-0.1.0.tar.gz")
     assert build_support.without_isolation([sys.executable, "-m", "build"]) == [sys.executable, "-m", "build",
                                                                                 "--no-isolation"]
+    assert build_support.without_isolation(["uv", "pip", "install", "."]) == ["uv", "pip", "install",
+                                                                             "--no-build-isolation", "."]
+    assert build_support.without_isolation([sys.executable, "-m", "pytest", "-k", "build"]) is None
 
 
 def test_the_sdist_needs_no_torch_and_asks_for_the_floor():
