@@ -23,7 +23,8 @@ mkdir -p "$WORK/dist" "$WORK/wheel"
 python3 -m venv "$WORK/tools"
 "$WORK/tools/bin/python" -m pip install -q --disable-pip-version-check build twine
 step "the tools venv (build, twine) made"
-"$WORK/tools/bin/python" -m build --sdist --outdir "$WORK/dist" . > "$WORK/sdist.log" 2>&1 || { tail -n 30 "$WORK/sdist.log"; exit 1; }
+"$WORK/tools/bin/python" -m build --sdist --outdir "$WORK/dist" . > "$WORK/sdist.log" 2>&1 \
+  || { tail -n 30 "$WORK/sdist.log"; exit 1; }
 SDIST=$(ls "$WORK"/dist/clipshard-*.tar.gz)
 "$PY" .ci/check_dists.py sdist "$SDIST"
 step "sdist built in isolation and checked"

@@ -49,7 +49,8 @@ def mismatch(record, torch_version, torch_cuda):
     if built_cuda != "none" and torch_cuda is None:
         return f"it was built with CUDA {built_cuda} kernels, and the running torch {torch_version} is a CPU-only build"
     if re.match(r"\d+\.", built_cuda) and built_cuda.split(".")[0] != torch_cuda.split(".")[0]:
-        return f"its CUDA kernels were built with CUDA {built_cuda}, and the running torch {torch_version} uses CUDA {torch_cuda}"
+        return (f"its CUDA kernels were built with CUDA {built_cuda}, and the running torch {torch_version} uses "
+                f"CUDA {torch_cuda}")
     return None
 
 

@@ -58,8 +58,8 @@ def test_the_isolation_message_names_the_torch_found_and_the_exact_command():
 
 
 def test_the_sdist_needs_no_torch_and_asks_for_the_floor():
-    script = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = ['setup.py', '-q', 'egg_info', '-e', sys.argv[1]]; "
-              "runpy.run_path('setup.py', run_name='__main__')")
+    script = ("import runpy, sys; sys.modules['torch'] = None; "
+              "sys.argv = ['setup.py', '-q', 'egg_info', '-e', sys.argv[1]]; runpy.run_path('setup.py', run_name='__main__')")
     with_tmp = os.path.join(ROOT, "build", "egg_info_test")
     os.makedirs(with_tmp, exist_ok=True)
     done = subprocess.run([sys.executable, "-c", script, with_tmp], cwd=ROOT, capture_output=True, text=True,
@@ -97,7 +97,8 @@ def test_the_local_version_label_names_torch_and_cuda():
 @pytest.mark.parametrize("record, torch_version, torch_cuda, refused", [
     ({"torch": "2.14.1+cu130", "cuda": "13.0"}, "2.14.0+cu130", "13.0", None),
     ({"torch": "2.14.1+cu130", "cuda": "none"}, "2.14.1+cpu", None, None),
-    ({"torch": "2.14.1+cu130", "cuda": "13.0"}, "2.13.0+cu130", "13.0", "built with torch 2.14.1+cu130, and torch 2.13.0"),
+    ({"torch": "2.14.1+cu130", "cuda": "13.0"}, "2.13.0+cu130", "13.0",
+     "built with torch 2.14.1+cu130, and torch 2.13.0"),
     ({"torch": "2.14.1+cu130", "cuda": "13.0"}, "2.15.0", "13.0", "built with torch 2.14.1+cu130, and torch 2.15.0"),
     ({"torch": "2.14.1+cu130", "cuda": "13.0"}, "2.14.1+cpu", None, "CPU-only build"),
     ({"torch": "2.14.1+cu130", "cuda": "13.0"}, "2.14.1+cu128", "12.8", "uses CUDA 12.8"),
