@@ -71,9 +71,11 @@ def check_library():
     path = library_path()
     if path is None:
         return  # no compiled library: importing clipshard._C raises its own ImportError
-    problem = mismatch(read_record(path), torch.__version__, torch.version.cuda)
+    record = read_record(path)
+    problem = mismatch(record, torch.__version__, torch.version.cuda)
     if problem is not None:
+        built = release((record or {}).get("torch"))
         raise ImportError(
             f"clipshard's compiled library {path} cannot be loaded: {problem}. torch's C++ API changes between "
             f"releases, so it could crash. Rebuild it against the running torch with  {rebuild_command(path)}  "
-            f"(torch must be installed first), or install the torch it was built with.")
+            f"(torch must be installed first)" + (f", or install torch=={built}.*" if built else "") + ".")
