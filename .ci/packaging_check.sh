@@ -62,4 +62,9 @@ cd "$ROOT"
 step "installed wheel: python -m clipshard passed outside the source tree"
 
 "$WORK/tools/bin/python" -m twine check --strict "$SDIST" "$WHEEL"
+# The size of the library `make setup` built (CUDA kernels too under FORCE_CUDA=1), as in a wheel.
+"$PY" -c "import glob, os, zlib
+for path in glob.glob('clipshard/_C*.so'):
+    data = open(path, 'rb').read()
+    print(f'packaging_check: {path}: {len(data) / 2**20:.1f} MiB, {len(zlib.compress(data, 6)) / 2**20:.1f} MiB deflated as in a wheel')"
 step "done"
