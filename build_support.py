@@ -29,6 +29,12 @@ def torch_floor():
         return re.search(r'torch-floor\s*=\s*"(torch\s*>=\s*[\d.]+)"', f.read()).group(1)
 
 
+def package_version():
+    """clipshard.__version__, read from the file (the one version source)."""
+    with open(os.path.join(ROOT, "clipshard", "__init__.py")) as f:
+        return re.search(r'^__version__ = "([^"]+)"', f.read(), re.MULTILINE).group(1)
+
+
 def torch_release(version):
     """"2.14" for "2.14.1+cu130": the release line whose C++ API a build is tied to."""
     return ".".join(re.match(r"(\d+)\.(\d+)", version).groups())

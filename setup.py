@@ -139,14 +139,14 @@ def build_extension(torch):
 def package_options(torch):
     """setup()'s arguments that depend on torch: for an sdist (torch None) only the floor; for a
     build, the extension and the pin on the release line it is built against."""
+    version = build_support.package_version()
     if torch is None:
-        return {"install_requires": [build_support.torch_floor()]}
+        return {"version": version, "install_requires": [build_support.torch_floor()]}
     ext, build_ext_cls, cuda_version = build_extension(torch)
-    options = {"install_requires": [build_support.torch_requirement(torch.__version__)], "ext_modules": [ext],
-               "cmdclass": {"build_ext": build_ext_cls.with_options(use_ninja=True)}}
     if os.environ.get("CLIPSHARD_LOCAL_VERSION", "0") == "1":
-        options["options"] = {"egg_info": {"tag_build": build_support.local_label(torch.__version__, cuda_version)}}
-    return options
+        version += build_support.local_label(torch.__version__, cuda_version)
+    return {"version": version, "install_requires": [build_support.torch_requirement(torch.__version__)],
+            "ext_modules": [ext], "cmdclass": {"build_ext": build_ext_cls.with_options(use_ninja=True)}}
 
 
 setup(

@@ -16,7 +16,7 @@ from clipshard.ops.contrastive_lse import contrastive_lse  # noqa: E402
 from clipshard.ops.siglip_sum import siglip_sum  # noqa: E402
 from clipshard.rounding import stochastic_round, stochastic_round_  # noqa: E402
 
-__version__ = "0.1.0"  # the one version source: pyproject.toml reads it (tool.setuptools.dynamic)
+__version__ = "0.1.0"  # the one version source: setup.py reads it (build_support.package_version)
 
 # Where the names of the wings live (imported on first use).
 _WINGS = {

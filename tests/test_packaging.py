@@ -70,9 +70,18 @@ def test_the_sdist_needs_no_torch_and_asks_for_the_floor():
     assert requires == [build_support.torch_floor().replace(" ", "")]
 
 
-def test_a_build_s_metadata_pins_the_running_torch_release_and_labels_it_on_request(tmp_path):
+@pytest.mark.parametrize("from_sdist", [False, True])
+def test_a_build_s_metadata_pins_the_running_torch_release_and_labels_it_on_request(tmp_path, from_sdist):
+    """From the clone and from the unpacked sdist (whose generated setup.cfg sets egg_info's tag_build)."""
+    source = ROOT
+    if from_sdist:
+        subprocess.run([sys.executable, "setup.py", "-q", "sdist", "-d", str(tmp_path)], cwd=ROOT, check=True,
+                       capture_output=True, timeout=120)
+        (tarball,) = tmp_path.glob("clipshard-*.tar.gz")
+        shutil.unpack_archive(tarball, tmp_path)
+        (source,) = [p for p in tmp_path.glob("clipshard-*") if p.is_dir()]
     env = {**os.environ, "USE_CUDA": "0", "CLIPSHARD_LOCAL_VERSION": "1"}
-    done = subprocess.run([sys.executable, "setup.py", "-q", "dist_info", "-o", str(tmp_path)], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "setup.py", "-q", "dist_info", "-o", str(tmp_path)], cwd=source, env=env,
                           capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr
     (metadata,) = tmp_path.glob("clipshard-*.dist-info/METADATA")
