@@ -21,7 +21,7 @@ BUILD_KIND := cuda
 BUILD_ENV := FORCE_CUDA=1
 endif
 BUILT := $(VENV)/.built-$(BUILD_KIND)
-SOURCES := setup.py $(shell find csrc -type f 2>/dev/null)
+SOURCES := setup.py build_support.py $(shell find csrc -type f 2>/dev/null)
 
 .PHONY: setup build run test test-matrix clean
 

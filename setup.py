@@ -1,5 +1,6 @@
 """Builds clipshard._C: C++ CPU kernels always, CUDA kernels when a CUDA toolkit and a CUDA build
-of torch are present (FORCE_CUDA=1 forces them, USE_CUDA=0 skips them)."""
+of torch are present (FORCE_CUDA=1 forces them, USE_CUDA=0 skips them), against the torch already
+installed (build_support.py; docs/packaging.md). An sdist needs no torch."""
 import glob
 import os
 import re
@@ -10,6 +11,8 @@ import sys
 from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, ROOT)  # build_support, beside this file (setuptools' backend does not add it)
+import build_support  # noqa: E402
 # Used when no GPU is visible at build time (CI, wheels, containers; docs/fused_loss_cuda.md,
 # "Build"): SASS for Ampere (sm_80, also run by sm_86/87/89), Hopper (sm_90), datacenter Blackwell
 # (sm_100, also sm_103) and consumer Blackwell (sm_120, also sm_121); PTX of compute_120 so that
@@ -53,10 +56,8 @@ def nvcc_version(cuda_home):
     return match.group(1) if match else "unknown"
 
 
-def decide_cuda():
+def decide_cuda(torch):
     """Returns (cuda_home or None, reason)."""
-    import torch
-
     if os.environ.get("USE_CUDA", "1") == "0":
         return None, "USE_CUDA=0"
     force = os.environ.get("FORCE_CUDA", "0") == "1"
@@ -89,21 +90,31 @@ def wheel_header_dir(cuda_home, dest):
     return dest
 
 
-def build_extension():
-    cuda_home, reason = decide_cuda()
+def build_extension(torch):
+    """Returns (the extension, its build_ext class, the CUDA version of its kernels or None)."""
+    cuda_home, reason = decide_cuda(torch)
     if cuda_home:
         os.environ["CUDA_HOME"] = cuda_home  # before cpp_extension computes its own guess
     from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
-    import torch
 
+    cuda_version = nvcc_version(cuda_home) if cuda_home else None
+    record = build_support.write_build_record(os.path.join(ROOT, "build", "build_record"), torch.__version__,
+                                              cuda_version)
     sources = sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/chunked/*.cpp") + glob.glob("csrc/cpu/*.cpp"))
-    include_dirs = [os.path.join(ROOT, "csrc", "include")]
+    # setuptools rebuilds only when a source or one of these is newer than the library; ninja then
+    # recompiles just the files that include what changed (its depfiles)
+    depends = sorted(glob.glob("csrc/**/*.h", recursive=True) + glob.glob("csrc/**/*.cuh", recursive=True)) + [record]
+    include_dirs = [os.path.join(ROOT, "csrc", "include"), os.path.dirname(record)]
     cxx_flags = ["-O3", "-fopenmp"] if sys.platform != "darwin" else ["-O3"]
+    # no debug info (Python's own CFLAGS bring -g): a tenth of the size; CLIPSHARD_DEBUG_INFO=1 keeps it
+    debug_info = os.environ.get("CLIPSHARD_DEBUG_INFO", "0") == "1"
+    cxx_flags += [] if debug_info else ["-g0"]
+    link_flags = ["-fopenmp"] + ([] if debug_info or sys.platform == "darwin" else ["-Wl,--strip-debug"])
     if cuda_home is None:
         print(f"clipshard: building CPU kernels only ({reason}); torch {torch.__version__}")
-        ext = CppExtension("clipshard._C", sources, include_dirs=include_dirs,
-                           extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"])
-        return ext, BuildExtension
+        ext = CppExtension("clipshard._C", sources, include_dirs=include_dirs, depends=depends,
+                           extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_flags)
+        return ext, BuildExtension, None
 
     if not os.environ.get("TORCH_CUDA_ARCH_LIST"):
         visible = torch.cuda.is_available() and torch.cuda.device_count() > 0
@@ -111,22 +122,34 @@ def build_extension():
             os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_ARCHS
     archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "the visible GPUs")
     print(f"clipshard: building CPU + CUDA kernels for {archs} ({reason}; nvcc "
-          f"{nvcc_version(cuda_home)} at {cuda_home}; torch {torch.__version__})")
+          f"{cuda_version} at {cuda_home}; torch {torch.__version__})")
     sources += sorted(glob.glob("csrc/cuda/*.cu"))
     wheel_headers = wheel_header_dir(cuda_home, os.path.join(ROOT, "build", "wheel_cuda_headers"))
     ext = CUDAExtension(
         "clipshard._C", sources,
         include_dirs=include_dirs + [wheel_headers],
+        depends=depends,
         define_macros=[("CLIPSHARD_WITH_CUDA", "1")],
         extra_compile_args={"cxx": cxx_flags,
                             "nvcc": ["-O3", "-lineinfo", "--expt-relaxed-constexpr"]},
-        extra_link_args=["-fopenmp"])
-    return ext, BuildExtension
+        extra_link_args=link_flags)
+    return ext, BuildExtension, cuda_version
 
 
-ext, build_ext_cls = build_extension()
+def package_options(torch):
+    """setup()'s arguments that depend on torch: for an sdist (torch None) only the floor; for a
+    build, the extension and the pin on the release line it is built against."""
+    version = build_support.package_version()
+    if torch is None:
+        return {"version": version, "install_requires": [build_support.torch_floor()]}
+    ext, build_ext_cls, cuda_version = build_extension(torch)
+    if os.environ.get("CLIPSHARD_LOCAL_VERSION", "0") == "1":
+        version += build_support.local_label(torch.__version__, cuda_version)
+    return {"version": version, "install_requires": [build_support.torch_requirement(torch.__version__)],
+            "ext_modules": [ext], "cmdclass": {"build_ext": build_ext_cls.with_options(use_ninja=True)}}
+
+
 setup(
     packages=find_packages(include=["clipshard", "clipshard.*"]),
-    ext_modules=[ext],
-    cmdclass={"build_ext": build_ext_cls.with_options(use_ninja=True)},
+    **package_options(build_support.import_torch_for(sys.argv)),
 )

@@ -39,7 +39,9 @@ echo "cxx17_check: torch $FLOOR headers ready in $((SECONDS - start)) s"
 pch=$(mktemp -d)
 printf '#include <%s>\n' ATen/ATen.h ATen/Parallel.h ATen/ThreadLocalState.h torch/library.h > "$pch/torch_headers.h"
 g++ -std=c++17 -fopenmp "${COMMON[@]}" -x c++-header "$pch/torch_headers.h" -o "$pch/torch_headers.h.gch"
-find csrc -name '*.cpp' | sort | xargs -P "$JOBS" -I{} g++ -std=c++17 -fopenmp "${COMMON[@]}" -fsyntax-only \
+# csrc/build_record.cpp's header, which setup.py writes into the build folder
+"$PY" -c "import sys, build_support; build_support.write_build_record(sys.argv[1], 'cxx17-check', None)" "$pch"
+find csrc -name '*.cpp' | sort | xargs -P "$JOBS" -I{} g++ -std=c++17 -fopenmp "${COMMON[@]}" -fsyntax-only "-I$pch" \
   -include "$pch/torch_headers.h" {}
 rm -rf "$pch"
 echo "cxx17_check: $(find csrc -name '*.cpp' | wc -l) C++ files compile as C++17 against torch $FLOOR" \

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The one GPU check: on a CUDA machine, build clipshard from source against the machine's torch,
-# run the users' self-check (python -m clipshard) first, then every CUDA test and the CUDA
+# The one GPU check: on a CUDA machine, build a clipshard wheel from source against the machine's
+# torch and install it into a scratch folder, run the users' self-check (python -m clipshard) from
+# that installed copy first, then every CUDA test and the CUDA
 # benchmarks, and print a summary (also when killed).
 # Usage: benchmarks/gpu_check.sh [LOG_DIR]   (or GPU_CHECK_LOGS=DIR; default ./gpu_logs)
 # LOG_DIR ends with two files (a lent GPU machine returns few): summary.txt and gpu_check_logs.tar.gz,
@@ -72,7 +73,7 @@ for module in pytest numpy open_clip; do
   "$PY" -c "import $module" 2>/dev/null || { echo "missing: $module (bring it as a wheel in .whl/)"; record "missing: $module"; }
 done
 
-step "build (FORCE_CUDA=1, ninja, the visible GPU's arch + PTX)"
+step "build (a wheel: FORCE_CUDA=1, ninja, the visible GPU's arch + PTX; installed into a scratch folder)"
 if ! "$PY" -c "import ninja" 2>/dev/null && ! command -v ninja >/dev/null; then
   echo "missing: ninja (without it torch builds serially and the build cannot fit): bring it as a wheel in .whl/"
   record "BUILD not run: ninja missing"
@@ -81,13 +82,21 @@ if ! "$PY" -c "import ninja" 2>/dev/null && ! command -v ninja >/dev/null; then
 fi
 # No TORCH_CUDA_ARCH_LIST unless the caller sets one: torch then builds for the visible GPU's
 # architecture plus its PTX (CI's no-GPU build covers sm_80/90/100/120, tests/test_build_archs.py).
-if ! run_step 140 "$LOG_DIR/build.log" env MAX_JOBS="${MAX_JOBS:-16}" FORCE_CUDA=1 "$PY" setup.py build_ext --inplace; then
+WHEELS=/tmp/clipshard_wheelhouse INSTALLED=/tmp/clipshard_installed
+rm -rf "$WHEELS" "$INSTALLED"
+if ! run_step 140 "$LOG_DIR/build.log" env MAX_JOBS="${MAX_JOBS:-16}" FORCE_CUDA=1 "$PY" -m pip wheel -v \
+    --no-build-isolation --no-deps --no-index . -w "$WHEELS" \
+    || ! "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$INSTALLED" "$WHEELS"/clipshard-*.whl \
+    >>"$LOG_DIR/build.log" 2>&1; then
   tail -n 60 "$LOG_DIR/build.log"
   record "BUILD FAILED (see $LOG_DIR/build.log)"
   status=1
   exit 1
 fi
+# The tests import the source tree's clipshard (tests/ is a package): with the wheel's library.
+cp "$INSTALLED"/clipshard/_C*.so clipshard/
 grep -m1 -o "clipshard: building.*" "$LOG_DIR/build.log"
+record "wheel: $(cd "$WHEELS" && ls clipshard-*.whl) ($(du -k "$WHEELS"/clipshard-*.whl | cut -f1) KiB)"
 # torch up to 2.11 passes -std=c++17 to extensions, newer ones -std=c++20 (docs/gpu_check.md)
 standard=$(grep -o -m1 -- "-std=c++[0-9]*" "$LOG_DIR/build.log" || echo "-std unknown")
 record "build: ok in $((SECONDS - start)) s ($standard)"
@@ -97,8 +106,9 @@ ok = torch.ops.clipshard._addmm_accepts_fp32_accumulator(torch.device('cuda'), t
 print(f'torch {torch.__version__}: addmm.dtype_out with an fp32 accumulator on CUDA is',
       'accepted (no fp32 M x D buffer)' if ok else 'refused (fp32 M x D buffer path)')" 2>&1 | tail -n 1)"
 
-step "self-check (python -m clipshard: what a user runs first)"
-if run_step 20 "$LOG_DIR/self_check.txt" "$PY" -m clipshard; then
+step "self-check (python -m clipshard: what a user runs first; from the installed wheel, outside the tree)"
+if run_step 20 "$LOG_DIR/self_check.txt" bash -c 'cd /tmp && exec "$@"' _ \
+    env PYTHONPATH="$INSTALLED${PYTHONPATH#"$PWD"}" "$("$PY" -c "import sys; print(sys.executable)")" -m clipshard; then
   record "self-check: $(tail -n 1 "$LOG_DIR/self_check.txt")"
 else
   cat "$LOG_DIR/self_check.txt"

@@ -5,13 +5,18 @@ The integrations (clipshard.integrations) and the self-check (clipshard.diagnost
 through their own subpackages; the root names them (apply_to_open_clip, apply_to_transformers,
 apply_to_sentence_transformers, text_tower_to_half_precision_, self_check) and imports them on first use.
 """
-from clipshard.grad_cache import GradCache
-from clipshard.losses import ClipLoss, DistillClipLoss, SigLipLoss, clip_loss, siglip_loss
-from clipshard.ops.contrastive_lse import contrastive_lse
-from clipshard.ops.siglip_sum import siglip_sum
-from clipshard.rounding import stochastic_round, stochastic_round_
+from clipshard import _build_record
 
-__version__ = "0.1.0"  # the one version source: pyproject.toml reads it (tool.setuptools.dynamic)
+# Before anything loads clipshard._C: a library built for another torch release would crash.
+_build_record.check_library()
+
+from clipshard.grad_cache import GradCache  # noqa: E402
+from clipshard.losses import ClipLoss, DistillClipLoss, SigLipLoss, clip_loss, siglip_loss  # noqa: E402
+from clipshard.ops.contrastive_lse import contrastive_lse  # noqa: E402
+from clipshard.ops.siglip_sum import siglip_sum  # noqa: E402
+from clipshard.rounding import stochastic_round, stochastic_round_  # noqa: E402
+
+__version__ = "0.1.0"  # the one version source: setup.py reads it (build_support.package_version)
 
 # Where the names of the wings live (imported on first use).
 _WINGS = {

@@ -23,11 +23,12 @@ PUBLIC = ["ClipLoss", "DistillClipLoss", "GradCache", "SigLipLoss", "apply_to_op
           "stochastic_round_", "text_tower_to_half_precision_"]
 
 # The modules the package root may hold beside its subpackages (no fp64 references: they live
-# beside the tests, in tests/references).
-ROOT_MODULES = {"__init__", "__main__", "open_clip_train", "grad_cache", "_micro_batches", "rounding"}
+# beside the tests, in tests/references); _build_record guards the loading of clipshard._C, so it
+# belongs to the ops layer.
+ROOT_MODULES = {"__init__", "__main__", "open_clip_train", "grad_cache", "_micro_batches", "rounding", "_build_record"}
 
 # Which layer each module belongs to (by its dotted prefix), and the layers each may import.
-LAYER_OF = {"clipshard.ops": "ops", "clipshard._C": "ops", "clipshard.rounding": "rounding",
+LAYER_OF = {"clipshard.ops": "ops", "clipshard._C": "ops", "clipshard._build_record": "ops", "clipshard.rounding": "rounding",
             "clipshard.optim": "optim", "clipshard.parallel": "parallel", "clipshard.losses": "losses",
             "clipshard.grad_cache": "grad_cache", "clipshard._micro_batches": "grad_cache",
             "clipshard.integrations": "integrations", "clipshard.open_clip_train": "integrations",
@@ -103,7 +104,10 @@ def test_importing_the_root_imports_no_wing():
 
 def test_the_version_has_one_source():
     pyproject = (ROOT.parent / "pyproject.toml").read_text()
-    assert 'dynamic = ["version"]' in pyproject and 'version = { attr = "clipshard.__version__" }' in pyproject
+    # setup.py reads clipshard.__version__ (build_support.package_version), adds the optional local
+    # label and the torch pin (docs/packaging.md)
+    assert 'dynamic = ["version", "dependencies"]' in pyproject
+    assert "build_support.package_version()" in (ROOT.parent / "setup.py").read_text()
     assert "\nversion =" not in pyproject.split("[project]")[1].split("[")[0]
     assert clipshard.__version__.count(".") == 2
 
@@ -131,11 +135,12 @@ def test_no_layer_imports_a_layer_above_it(layer):
 
 
 def test_no_module_imports_a_private_name_of_another_layer():
-    """A layer reaches another through its public names (`_C`, the extension, aside)."""
+    """A layer reaches another through its public names (`_C`, the extension, and `_build_record`,
+    the versions it was built with, aside)."""
     wrong = []
     for name, path in _modules().items():
         for module in _imports(path):
-            private = [c for c in module.split(".")[1:] if c.startswith("_") and c not in ("_C", "__init__")]
+            private = [c for c in module.split(".")[1:] if c.startswith("_") and c not in ("_C", "_build_record", "__init__")]
             if private and name != "clipshard" and _layer(module) != _layer(name):
                 wrong.append(f"{name} imports {module}")
     assert not wrong, wrong

@@ -43,6 +43,7 @@ def test_command_reports_checks_and_exits_zero():
     out = done.stdout
     assert f"clipshard {clipshard.__version__}, torch {torch.__version__}" in out
     assert "extension: " + ("CUDA" if has_cuda_kernels() else "CPU only") in out
+    assert f"built with torch {torch.__version__}, CUDA " in out  # the library's own record, beside the running torch
     if not torch.cuda.is_available():
         assert "no GPU is visible" in out
     assert "cpu contrastive_lse float32: fused" in out and "cpu siglip_sum float32: chunked" in out

@@ -13,6 +13,7 @@ import torch
 
 import clipshard
 from clipshard import _C
+from clipshard._build_record import read_record
 from clipshard.ops import env_vars, explain_auto, has_compiled_kernel
 
 # How clipshard's readers of the variables (clipshard/ops/env_vars.py, csrc/env_vars.h) word a
@@ -57,11 +58,12 @@ def listed_archs(cuobjdump, flag, library=None):
 
 
 def build_report():
-    """How the extension was built: "CPU only" or "CUDA", and for CUDA the architectures of its
-    cubins and PTX (or why they could not be read)."""
+    """How the extension was built: "CPU only" or "CUDA", the torch and CUDA versions it was built
+    with, and for CUDA the architectures of its cubins and PTX (or why they could not be read)."""
+    built_with = read_record(_C.__file__)
     if not has_cuda_kernels():
-        return {"kind": "CPU only (no CUDA kernels compiled)", "library": _C.__file__}
-    report = {"kind": "CUDA", "library": _C.__file__}
+        return {"kind": "CPU only (no CUDA kernels compiled)", "library": _C.__file__, "built_with": built_with}
+    report = {"kind": "CUDA", "library": _C.__file__, "built_with": built_with}
     cuobjdump = find_cuobjdump()
     if cuobjdump is None:
         report["archs"] = "unknown: no cuobjdump here (pip install nvidia-cuda-cuobjdump to list them)"
@@ -135,7 +137,8 @@ def format_environment(report):
     build = report["build"]
     lines = [f"clipshard {report['clipshard']}, torch {report['torch']} (CUDA {report['cuda']}, "
              f"ROCm {report['rocm']}), Python {report['python']}",
-             f"extension: {build['kind']}: {build['library']}"]
+             f"extension: {build['kind']}: {build['library']}",
+             f"  built with torch {build['built_with']['torch']}, CUDA {build['built_with']['cuda']}"]
     if "cubins" in build:
         lines.append(f"  compiled for {', '.join(build['cubins']) or 'no cubin'}; PTX {', '.join(build['ptx']) or 'none'}")
     elif "archs" in build:
