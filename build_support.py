@@ -6,6 +6,7 @@ what to do when build isolation hides it, the Requires-Dist pin on its release l
 compiled into the library (clipshard/_build_record.py reads them back before loading it) and the
 optional local version label of a wheel (CLIPSHARD_LOCAL_VERSION=1).
 """
+import importlib.util
 import os
 import re
 import shlex
@@ -20,6 +21,20 @@ COMMANDS_NEEDING_TORCH = {"build", "build_ext", "bdist_wheel", "dist_info", "edi
 # Starts the string setup.py compiles into the library (csrc/build_record.cpp); read back by
 # clipshard/_build_record.py, which holds the same marker.
 RECORD_MARKER = "clipshard-build-record:"
+
+
+def build_switch(name):
+    """The build-time switch `name` (CLIPSHARD_LOCAL_VERSION, CLIPSHARD_DEBUG_INFO), off when unset, read
+    by the package's one parser of CLIPSHARD_* variables (clipshard/ops/env_vars.py, loaded by its path:
+    the package itself needs torch), so that a value it does not accept stops the build naming it."""
+    spec = importlib.util.spec_from_file_location("clipshard_env_vars", os.path.join(ROOT, "clipshard", "ops",
+                                                                                    "env_vars.py"))
+    env_vars = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(env_vars)
+    try:
+        return env_vars.flag(name, False)
+    except ValueError as error:
+        sys.exit(str(error))
 
 
 def torch_floor():

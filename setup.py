@@ -107,7 +107,7 @@ def build_extension(torch):
     include_dirs = [os.path.join(ROOT, "csrc", "include"), os.path.dirname(record)]
     cxx_flags = ["-O3", "-fopenmp"] if sys.platform != "darwin" else ["-O3"]
     # no debug info (Python's own CFLAGS bring -g): a tenth of the size; CLIPSHARD_DEBUG_INFO=1 keeps it
-    debug_info = os.environ.get("CLIPSHARD_DEBUG_INFO", "0") == "1"
+    debug_info = build_support.build_switch("CLIPSHARD_DEBUG_INFO")
     cxx_flags += [] if debug_info else ["-g0"]
     link_flags = ["-fopenmp"] + ([] if debug_info or sys.platform == "darwin" else ["-Wl,--strip-debug"])
     if cuda_home is None:
@@ -143,7 +143,7 @@ def package_options(torch):
     if torch is None:
         return {"version": version, "install_requires": [build_support.torch_floor()]}
     ext, build_ext_cls, cuda_version = build_extension(torch)
-    if os.environ.get("CLIPSHARD_LOCAL_VERSION", "0") == "1":
+    if build_support.build_switch("CLIPSHARD_LOCAL_VERSION"):
         version += build_support.local_label(torch.__version__, cuda_version)
     return {"version": version, "install_requires": [build_support.torch_requirement(torch.__version__)],
             "ext_modules": [ext], "cmdclass": {"build_ext": build_ext_cls.with_options(use_ninja=True)}}

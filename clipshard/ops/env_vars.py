@@ -6,7 +6,9 @@ them, and the accepted values of the C++ readers, with VARIABLES).
 
 `python -m clipshard` validates every variable here on every build, also those a build never reads
 (CLIPSHARD_CHUNKED_FORWARD_ROWS on a CPU-only build), so a misspelt value is reported before it can
-matter."""
+matter. The build-time switches (CLIPSHARD_LOCAL_VERSION, CLIPSHARD_DEBUG_INFO) are read by setup.py
+through this same parser: it loads this file by its path, so it imports nothing but the standard
+library."""
 import os
 from dataclasses import dataclass
 
@@ -30,6 +32,9 @@ VARIABLES = {
                                   "avx512, avx2 or baseline: the widest vector code the CPU kernels may use"),
     "CLIPSHARD_FIRST_USE_CHECK": Variable(
         SWITCH, "'0' turns off the first-use check of the compiled CUDA kernels (docs/first_use.md)"),
+    # read by the build (setup.py loads this file by its path), not by the installed package
+    "CLIPSHARD_LOCAL_VERSION": Variable(SWITCH, "build time: '1' adds +torch<release><cuda> to the built version"),
+    "CLIPSHARD_DEBUG_INFO": Variable(SWITCH, "build time: '1' keeps debug info in the compiled library"),
 }
 
 
