@@ -135,11 +135,23 @@ else
   record "first-use check not run: pytest missing"
 fi
 
+step "determinism of the id paths (sample ids, both targets, hard negatives: two runs, bitwise)"
+if run_step 20 "$LOG_DIR/determinism.log" env CLIPSHARD_FIRST_USE_CHECK=0 "$PY" -m pytest -q -s -m cuda \
+    -p no:cacheprovider tests/ops/test_id_paths_repeat.py; then
+  grep -o "determinism cuda .*" "$LOG_DIR/determinism.log" | tee "$LOG_DIR/determinism.txt"
+  record "determinism: $(tail -n 1 "$LOG_DIR/determinism.log") ($LOG_DIR/determinism.txt)"
+else
+  grep -E "^(FAILED|ERROR)|determinism cuda" "$LOG_DIR/determinism.log" | head -n 20
+  record "ID PATHS NOT DETERMINISTIC or not run: $(tail -n 1 "$LOG_DIR/determinism.log")"
+  status=1
+fi
+
 step "CUDA tests"
 if "$PY" -c "import pytest" 2>/dev/null; then
   # With the first-use check off, so that its fallback can never stand in for a kernel a test checks.
   run_step 140 "$LOG_DIR/cuda_tests.log" env CLIPSHARD_FIRST_USE_CHECK=0 "$PY" -m pytest -q -m cuda \
-    -p no:cacheprovider tests --ignore=tests/ops/test_first_use_check.py || status=1
+    -p no:cacheprovider tests --ignore=tests/ops/test_first_use_check.py \
+    --ignore=tests/ops/test_id_paths_repeat.py || status=1
   grep -E "^(FAILED|ERROR)" "$LOG_DIR/cuda_tests.log" | head -n 40
   record "CUDA tests: $(tail -n 1 "$LOG_DIR/cuda_tests.log")"
 else
