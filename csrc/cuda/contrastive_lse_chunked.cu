@@ -11,6 +11,7 @@
 
 #include "../chunked/chunk_driver.h"
 #include "../env_vars.h"
+#include "clipshard/launch_rules.h"
 #include "contrastive_lse_chunked_kernels.cuh"
 #include "dispatch_features.h"
 #include "fp16_prescale.h"
@@ -25,14 +26,14 @@ namespace k = chunked_cuda;
 // 32 rows), rounded up; the gradient pass adds the dlogits chunk.
 constexpr int64_t kForwardBytesPerLogit = 5;
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+using launch_rules::ceil_div;
 
 // The forward kernel variant (docs/fused_loss_cuda.md, "Resources per kernel"): rows per CTA.
 // The GPU check benchmarks both; making the faster one the default is this one line.
 constexpr int kDefaultForwardRows = k::kForwardRowsWide;
 
 // The grid's y dimension (row blocks) is at most 65535.
-constexpr int64_t kMaxRowBlocks = 65535;
+constexpr int64_t kMaxRowBlocks = launch_rules::kMaxGridY;
 
 // kDefaultForwardRows, unless CLIPSHARD_CHUNKED_FORWARD_ROWS is "16" or "32" (a benchmark knob,
 // read through env_vars.h at every call so that one process can time both variants). Past the
@@ -42,7 +43,7 @@ int forward_rows_per_cta(int64_t M) {
   static_assert(k::kForwardRowsWide == k::kRowsPerCta, "forward and backward row limits agree");
   const auto choice = env::choice("CLIPSHARD_CHUNKED_FORWARD_ROWS", {"16", "32"});
   const int rows = !choice ? kDefaultForwardRows : *choice == 0 ? k::kForwardRowsNarrow : k::kForwardRowsWide;
-  return M > kMaxRowBlocks * rows ? k::kForwardRowsWide : rows;
+  return launch_rules::chunked_forward_rows(M, rows, k::kForwardRowsWide);
 }
 
 // Row blocks of rows_per_cta rows: the grid's y dimension.
@@ -53,13 +54,10 @@ unsigned row_blocks(const char* fn, int64_t M, int rows_per_cta) {
   return static_cast<unsigned>(n);
 }
 
-// Column splits: enough CTAs for about three per SM, each with as many column steps as possible
-// (every CTA ends with a reduction of its row states, worth amortising).
+// Column splits (launch_rules.h): about three CTAs per SM.
 unsigned column_splits(int64_t width, unsigned n_row_blocks) {
-  const int64_t steps = ceil_div(width, k::kThreads);
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t wanted = ceil_div(3 * sms, n_row_blocks);
-  return static_cast<unsigned>(std::clamp<int64_t>(wanted, 1, steps));
+  return launch_rules::chunk_column_splits(width, n_row_blocks,
+                                           at::cuda::getCurrentDeviceProperties()->multiProcessorCount, k::kThreads);
 }
 
 k::Lse* as_states(const Tensor& t) { return reinterpret_cast<k::Lse*>(t.data_ptr<float>()); }

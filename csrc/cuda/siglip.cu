@@ -3,8 +3,9 @@
 //
 // Per column chunk: one GEMM (fp32 similarities, also for 16-bit features) and one elementwise
 // kernel; with with_grad the kernel also writes the logit gradients in the features' dtype and the
-// driver adds two GEMMs. With sample ids the elementwise kernel is siglip_ids_chunk_kernel (kIdRows
-// rows per CTA, labels by id); without them, the kernel of the op before ids, unchanged. fp16
+// driver adds two GEMMs. With sample ids the elementwise kernel is siglip_ids_chunk_kernel (up to
+// kIdRows rows per CTA by launch_rules.h, labels by id; siglip_launch.h launches either); without
+// them, the kernel of the op before ids, unchanged. fp16
 // logit gradients use the softmax loss's power-of-two prescale (fp16_prescale.cuh) with the bound
 // |scale| (|dl| <= 1), so that gradients near 1e-8 stay fp16 numbers; the driver multiplies the
 // row and column gradients back in fp32. The prescale is computed on the device: no host
@@ -22,7 +23,7 @@
 #include "../siglip_args.h"
 #include "dispatch_features.h"
 #include "fp16_prescale.h"
-#include "siglip_kernels.cuh"
+#include "siglip_launch.h"
 
 namespace clipshard {
 namespace {
@@ -43,15 +44,6 @@ struct Ids {
   bool mask_same_ids;
 };
 
-// Rows per CTA of the kernel with ids: the most (up to kIdRows, fewer id loads) that still leave
-// four CTAs per SM, so that small batches keep the whole GPU streaming.
-int ids_rows_per_cta(int64_t M) {
-  const int64_t ctas_wanted = 4 * int64_t(at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
-  int rows = k::kIdRows;
-  while (rows > 1 && (M + rows - 1) / rows < ctas_wanted) rows /= 2;
-  return rows;
-}
-
 template <typename DL, bool kGrad>
 void launch(const chunked::Chunk& chunk, DL* dlogits, int64_t pos_offset, const Tensor& scale,
             const std::optional<Tensor>& bias, const Tensor& prescale, const Ids& ids, Tensor& accumulators) {
@@ -61,17 +53,15 @@ void launch(const chunked::Chunk& chunk, DL* dlogits, int64_t pos_offset, const 
                        prescale.defined() ? prescale.data_ptr<float>() : nullptr,
                        accumulators[0].data_ptr<double>(), accumulators[1].data_ptr<double>(),
                        accumulators[2].data_ptr<double>()};
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const k::ChunkIds chunk_ids{ids.rows.defined() ? ids.rows.data_ptr<int64_t>() : nullptr,
+                              ids.rows.defined() ? ids.cols.data_ptr<int64_t>() : nullptr, ids.mask_same_ids,
+                              launch_rules::siglip_ids_rows_per_cta(M, sms, k::kIdRows)};
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (!ids.rows.defined()) {
-    k::siglip_chunk_kernel<DL, kGrad><<<static_cast<unsigned>(M), k::kThreads, 0, stream>>>(p);
-  } else {
-    const int rows_per_cta = ids_rows_per_cta(M);
-    const k::IdChunkParams<DL> q{p, ids.rows.data_ptr<int64_t>(), ids.cols.data_ptr<int64_t>(), ids.mask_same_ids,
-                                 rows_per_cta};
-    const auto ctas = static_cast<unsigned>((M + rows_per_cta - 1) / rows_per_cta);
-    k::siglip_ids_chunk_kernel<DL, kGrad><<<ctas, k::kThreads, 0, stream>>>(q);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  k::launch_chunk<DL, kGrad>(p, chunk_ids, [stream](auto kernel, dim3 grid, const auto& params) {
+    kernel<<<grid, k::kThreads, 0, stream>>>(params);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> siglip_forward_cuda(
