@@ -9,6 +9,7 @@
 # on 2 cores for the whole matrix.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+COMMAND="bash benchmarks/cuda_resources.sh${*:+ $*}"
 ARCHS=${1:-80 90 100 120}
 shift || true
 SOURCES=("$@")
@@ -43,4 +44,4 @@ for arch in ${ARCHS//,/ }; do
 done
 version=$("$CUDA_HOME/bin/nvcc" --version | grep -o "release [0-9.]*")
 "$PY" benchmarks/ptxas_table.py --check "$OUT"/*.log \
-  --title "$(date -u +%F), nvcc $version: \`bash benchmarks/cuda_resources.sh \"${ARCHS}\"${SOURCES[*]:+ ${SOURCES[*]}}\`; cells: registers, CTAs per SM (from registers, threads and static shared memory)"
+  --title "$(date -u +%F), nvcc ${version#release }, \`$COMMAND\`. Cells: registers, CTAs per SM (from registers, threads and static shared memory)."

@@ -40,7 +40,17 @@ def broken_copy(kernel, folder, right, wrong, kernels=KERNELS):
     source = (kernels / kernel).read_text()
     assert source.count(right) == 1, f"{right!r} not found once in {kernel}"
     (folder / kernel).write_text(source.replace(right, wrong))
+    if kernels == KERNELS:
+        with_launch_headers(folder)
     return folder
+
+
+def with_launch_headers(folder):
+    """Copies csrc/cuda's launch headers (*_launch.h) into `folder` unless it has its own: a launch
+    header includes its kernels from its own folder, so only a copy beside a broken kernel includes it."""
+    for header in KERNELS.glob("*_launch.h"):
+        if not (folder / header.name).exists():
+            (folder / header.name).write_text(header.read_text())
 
 
 def build_real_and_broken(tmp, source, kernel, right, wrong):

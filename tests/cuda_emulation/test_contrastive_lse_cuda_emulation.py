@@ -38,9 +38,9 @@ def _run(exe):
     return run
 
 
-# contrastive_lse.cu's pos_offset rule with -1 passed through as a column offset (row i's positive
-# then column i - 1) instead of K: the harness must catch it, since it calls the op's rule.
-POS_RULE = ("return pos_offset == -1 ? K : pos_offset;", "return pos_offset;")
+# contrastive_lse.cu's pos_offset rule with -1 taken as 0 (the diagonal a positive) instead of K:
+# the harness must catch it, since it calls the op's rule.
+POS_RULE = ("return pos_offset == -1 ? K : pos_offset;", "return pos_offset == -1 ? 0 : pos_offset;")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_fused_kernels_match_double_reference_in_host_emulation(fused_harnesses)
 def test_fused_emulation_runs_the_ops_pos_offset_rule(fused_harnesses):
     run = subprocess.run([str(fused_harnesses[1])], capture_output=True, text=True, timeout=900)
     assert run.returncode != 0 and "FAILED fma fp32 M=40 K=90 D=24 pos=-1" in run.stdout, run.stdout
-    assert "ok fma fp32 M=40 K=90 D=24 pos=10" in run.stdout  # the cases with positives are unaffected
+    assert "ok fma fp32 M=65 K=130 D=33 pos=1 " in run.stdout  # the cases with positives are unaffected
 
 
 @pytest.fixture(scope="module")

@@ -77,9 +77,9 @@ BROKEN = [
     ("launch code: a launch's second teacher merged from the first one's row partials", "distill_launch.h",
      "b.teacher_row_partial + q * gx * M", "b.teacher_row_partial + (g_broken == 6 ? 0 : q) * gx * M", 1,
      "MISMATCH teacher_row_lse"),
-    ("launch code: the gradient grid sized for 32-row blocks", "distill_launch.h",
-     "looping_grid_rows(s.M, kGradRows, s.max_grid_rows)",
-     "looping_grid_rows(s.M, g_broken == 7 ? 2 * kGradRows : kGradRows, s.max_grid_rows)", 1, "MISMATCH dS"),
+    ("launch code: the student's column partials merged over the grid's rows, not the row blocks",
+     "distill_launch.h", "static_cast<int>(n_blocks), begin, b.col_lse);",
+     "static_cast<int>(g_broken == 7 ? gy : n_blocks), begin, b.col_lse);", 4, "MISMATCH col_lse"),
 ]
 
 
