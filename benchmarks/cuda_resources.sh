@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Registers, spills and the resulting CTAs per SM of every CUDA kernel variant of clipshard, per
 # architecture, from ptxas -v: a register or spill regression shows here without a GPU.
-# Usage: bash benchmarks/cuda_resources.sh [ARCHS, default "80 90 100 120"] [source.cu ..., default
+# Usage: bash benchmarks/cuda_resources.sh [ARCHS, default 80,90,100,120] [source.cu ..., default
 # every csrc/cuda/*.cu]. Prints one markdown table (benchmarks/ptxas_table.py) headed by the date and
 # the command; exits 1 if any kernel spills. Needs nvcc (CUDA_HOME or the toolkit behind nvcc on
 # PATH) and the venv's torch (PYTHON, default .venv/bin/python) for the headers and torch's nvcc
@@ -9,8 +9,9 @@
 # on 2 cores for the whole matrix.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-COMMAND="bash benchmarks/cuda_resources.sh${*:+ $*}"
-ARCHS=${1:-80 90 100 120}
+COMMAND="bash benchmarks/cuda_resources.sh"
+[ $# -eq 0 ] || COMMAND+=$(printf ' %q' "$@")
+ARCHS=${1:-80,90,100,120}
 shift || true
 SOURCES=("$@")
 [ ${#SOURCES[@]} -gt 0 ] || SOURCES=(csrc/cuda/*.cu)
