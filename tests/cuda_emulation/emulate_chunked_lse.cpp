@@ -1,14 +1,15 @@
 // Runs the chunked path's CUDA kernels (csrc/cuda/contrastive_lse_chunked_kernels.cuh and
 // fp16_prescale.cuh) on the host through emulate_cuda.h, driven chunk by chunk as
 // contrastive_lse_chunked.cu drives them on an H200 (both forward variants: 32 and 16 rows per CTA; as
-// many column splits as it would launch there, up to 8 here) (the GEMMs computed here in double and
+// many column splits as its rule in launch_rules.h picks there, up to 8 here) (the GEMMs computed here in double and
 // rounded to fp32, as cuBLAS with fp32 output would), and compares every output with a
 // double-precision reference. Cases with sample ids (duplicates, all equal) and without positives
-// (pos -1, launched as pos_offset = K like contrastive_lse.cu does) run the kernels' kIds variants.
+// (pos -1, launched with the pos_offset that contrastive_lse.cu's rule in launch_rules.h gives) run
+// the kernels' kIds variants.
 // Build: g++ -std=c++20 -O1 -pthread -I<repo>/csrc/cuda -I<repo>/csrc/include -I<torch>/include
 // Prints one line per case and exits non-zero on any mismatch. Usage: emulate_chunked_lse [CASE INDEX]
 #include "emulate_cuda.h"
-// The kernels, compiled as host code:
+// The kernels, compiled as host code, and the launch rules of contrastive_lse{,_chunked}.cu:
 #include "clipshard/launch_rules.h"
 #include "contrastive_lse_chunked_kernels.cuh"
 #include "fp16_prescale.cuh"

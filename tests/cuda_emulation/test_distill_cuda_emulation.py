@@ -1,9 +1,10 @@
 """The distillation op's CUDA kernels (csrc/cuda/distill_lse_kernels.cuh), run on the CPU.
 
 tests/cuda_emulation/emulate_distill.cpp compiles the kernels as host C++ through emulate_cuda.h
-(one fiber per CUDA thread, barriers for __syncthreads, host warp shuffles), drives them chunk
-by chunk as csrc/cuda/distill_lse.cu does (teachers two per forward launch, the fp16 pre-scales,
-the teachers read only when a teacher term is wanted), and compares the forward's seven statistics
+(one fiber per CUDA thread, barriers for __syncthreads, host warp shuffles), launches them chunk
+by chunk through the op's own launch code (csrc/cuda/distill_launch.h: grids, teachers two per
+forward launch, every pointer offset; the fp16 pre-scales and the teachers read only when a
+teacher term is wanted as distill_lse.cu decides them), and compares the forward's seven statistics
 and the backward's dS and dT^k with a double-precision reference of the op's formulas: fp32, bf16
 and fp16 dlogits and mixed student / teacher dtypes, T = 1, 2 and 3, several column splits with
 several column steps per CTA, fewer CTA rows than row blocks (the kernels' row-block loop),
@@ -11,8 +12,8 @@ want_columns=false, absent upstream gradients, teacher_grad=false, no teacher te
 logit read), NaN and +Inf logits (reaching only their own row's and column's statistics), scales
 up to 300, realistic upstream gradients (0.5 / 65536), and a negative control (fp16 without the
 gradient pre-scale must fail). Other tests build the harness against deliberately broken copies
-of the kernels and check that it fails. Hardware-only behaviour (memory ordering, speed) needs the
-@pytest.mark.cuda tests of test_distill_lse.py on a GPU."""
+of the kernels and of the launch code and check that it fails. Hardware-only behaviour (memory
+ordering, speed) needs the @pytest.mark.cuda tests of test_distill_lse.py on a GPU."""
 import subprocess
 
 import pytest
