@@ -81,13 +81,23 @@ if ! "$PY" -c "import ninja" 2>/dev/null && ! command -v ninja >/dev/null; then
 fi
 # No TORCH_CUDA_ARCH_LIST unless the caller sets one: torch then builds for the visible GPU's
 # architecture plus its PTX (CI's no-GPU build covers sm_80/90/100/120, tests/test_build_archs.py).
-if ! run_step 140 "$LOG_DIR/build.log" env MAX_JOBS="${MAX_JOBS:-16}" FORCE_CUDA=1 "$PY" setup.py build_ext --inplace; then
+# NVCC_APPEND_FLAGS (read by nvcc): ptxas' registers and spills of every kernel go into the build log.
+if ! run_step 140 "$LOG_DIR/build.log" env MAX_JOBS="${MAX_JOBS:-16}" FORCE_CUDA=1 \
+    NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }-Xptxas=-v" "$PY" setup.py build_ext --inplace; then
   tail -n 60 "$LOG_DIR/build.log"
   record "BUILD FAILED (see $LOG_DIR/build.log)"
   status=1
   exit 1
 fi
 grep -m1 -o "clipshard: building.*" "$LOG_DIR/build.log"
+# Registers, spills and CTAs per SM of every kernel for this GPU's architecture: a spill fails the check.
+if "$PY" benchmarks/ptxas_table.py --check "$LOG_DIR/build.log" >"$LOG_DIR/ptxas.txt" 2>&1; then
+  record "ptxas: $(tail -n 1 "$LOG_DIR/ptxas.txt")"
+else
+  tail -n 1 "$LOG_DIR/ptxas.txt"
+  record "PTXAS: $(tail -n 1 "$LOG_DIR/ptxas.txt")"
+  status=1
+fi
 # torch up to 2.11 passes -std=c++17 to extensions, newer ones -std=c++20 (docs/gpu_check.md)
 standard=$(grep -o -m1 -- "-std=c++[0-9]*" "$LOG_DIR/build.log" || echo "-std unknown")
 record "build: ok in $((SECONDS - start)) s ($standard)"
