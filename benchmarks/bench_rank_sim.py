@@ -124,7 +124,7 @@ def print_comparisons(results):
             faster, ratio = (16, wide / narrow) if narrow < wide else (32, narrow / wide)
             print(f"chunked forward kernel, {mode}: 32 rows/CTA {wide * 1e3:.3f} ms, 16 rows/CTA "
                   f"{narrow * 1e3:.3f} ms: {faster} rows is faster by {ratio:.3f}x (the default is "
-                  "kChunkedForwardRowsDefault in csrc/include/clipshard/launch_config.h)")
+                  "kChunkedForwardRowsDefault in csrc/include/clipshard/launch_rules.h)")
         chunked, portable = median.get(f"clipshard chunked {mode}"), median.get(f"clipshard torch {mode}")
         if chunked and portable:
             print(f"torch path / chunked CUDA path, {mode}: {portable / chunked:.3f}x (target <= 1.5)")

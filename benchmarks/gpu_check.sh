@@ -84,7 +84,9 @@ fi
 # architecture plus its PTX (CI's no-GPU build covers sm_80/90/100/120, tests/test_build_archs.py).
 WHEELS=/tmp/clipshard_wheelhouse INSTALLED=/tmp/clipshard_installed
 rm -rf "$WHEELS" "$INSTALLED"
-if ! run_step 140 "$LOG_DIR/build.log" env MAX_JOBS="${MAX_JOBS:-16}" FORCE_CUDA=1 "$PY" -m pip wheel -v \
+# NVCC_APPEND_FLAGS (read by nvcc): ptxas' registers and spills of every kernel go into the build log.
+if ! run_step 140 "$LOG_DIR/build.log" env MAX_JOBS="${MAX_JOBS:-16}" FORCE_CUDA=1 \
+    NVCC_APPEND_FLAGS="${NVCC_APPEND_FLAGS:+$NVCC_APPEND_FLAGS }-Xptxas=-v" "$PY" -m pip wheel -v \
     --no-build-isolation --no-deps --no-index . -w "$WHEELS" \
     || ! "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$INSTALLED" "$WHEELS"/clipshard-*.whl \
     >>"$LOG_DIR/build.log" 2>&1; then
@@ -97,6 +99,14 @@ fi
 cp "$INSTALLED"/clipshard/_C*.so clipshard/
 grep -m1 -o "clipshard: building.*" "$LOG_DIR/build.log"
 record "wheel: $(cd "$WHEELS" && ls clipshard-*.whl) ($(du -k "$WHEELS"/clipshard-*.whl | cut -f1) KiB)"
+# Registers, spills and CTAs per SM of every kernel for this GPU's architecture: a spill fails the check.
+if "$PY" benchmarks/ptxas_table.py --check "$LOG_DIR/build.log" >"$LOG_DIR/ptxas.txt" 2>&1; then
+  record "ptxas: $(tail -n 1 "$LOG_DIR/ptxas.txt")"
+else
+  tail -n 1 "$LOG_DIR/ptxas.txt"
+  record "PTXAS: $(tail -n 1 "$LOG_DIR/ptxas.txt")"
+  status=1
+fi
 # torch up to 2.11 passes -std=c++17 to extensions, newer ones -std=c++20 (docs/gpu_check.md)
 standard=$(grep -o -m1 -- "-std=c++[0-9]*" "$LOG_DIR/build.log" || echo "-std unknown")
 record "build: ok in $((SECONDS - start)) s ($standard)"

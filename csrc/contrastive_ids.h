@@ -7,6 +7,8 @@
 
 #include <optional>
 
+#include "clipshard/launch_rules.h"
+
 namespace clipshard {
 
 // The column offset the kernels use: pos_offset itself, or K for -1 (no column j < K is then row
@@ -15,7 +17,7 @@ inline int64_t kernel_pos_offset(const char* op, int64_t pos_offset, int64_t M, 
   TORCH_CHECK(pos_offset == -1 || (pos_offset >= 0 && pos_offset + M <= K), op,
               ": pos_offset must satisfy 0 <= pos_offset and pos_offset + M <= K, or be -1 (no positives) (M = ", M,
               ", K = ", K, "), got ", pos_offset);
-  return pos_offset == -1 ? K : pos_offset;
+  return launch_rules::contrastive_kernel_pos_offset(pos_offset, K);
 }
 
 // Both ids contiguous int64, or both undefined when none were given.

@@ -1,5 +1,5 @@
 // Internal ops that answer which compiled CUDA kernel variant a call would run, by the very rules
-// the CUDA launchers use (clipshard/launch_config.h, csrc/chunked/forward_rows.h). They take sizes,
+// the CUDA launchers use (clipshard/launch_rules.h, csrc/chunked/forward_rows.h). They take sizes,
 // not tensors, and run on any machine: the first-use check (clipshard/ops/first_use.py) keys its
 // verdicts by their answers and builds each probe so that it runs the variant it checks.
 #include <torch/library.h>
@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "chunked/forward_rows.h"
-#include "clipshard/launch_config.h"
+#include "clipshard/launch_rules.h"
 
 namespace {
 
@@ -18,15 +18,15 @@ int64_t chunked_forward_rows_per_cta_op(int64_t rows) { return chunked::forward_
 int64_t siglip_ids_rows_per_cta_op(int64_t rows, int64_t multiprocessors) {
   TORCH_CHECK(multiprocessors > 0, "_siglip_ids_rows_per_cta: multiprocessors must be positive, got ",
               multiprocessors);
-  return launch::siglip_ids_rows_per_cta(rows, multiprocessors);
+  return launch_rules::siglip_ids_rows_per_cta(rows, multiprocessors, launch_rules::kSiglipMaxIdRows);
 }
 
 // The distinct teacher counts of the forward launches for T teachers, in launch order.
 std::vector<int64_t> distill_launch_teachers_op(int64_t teachers) {
   TORCH_CHECK(teachers > 0, "_distill_launch_teachers: teachers must be positive, got ", teachers);
   std::vector<int64_t> counts;
-  for (int64_t first = 0; first < teachers; first += launch::kDistillMaxLaunchTeachers) {
-    const int64_t n = launch::distill_launch_teachers(teachers, first);
+  for (int64_t first = 0; first < teachers; first += launch_rules::kDistillMaxLaunchTeachers) {
+    const int64_t n = launch_rules::distill_launch_teachers(teachers, first);
     if (counts.empty() || counts.back() != n) counts.push_back(n);
   }
   return counts;

@@ -4,7 +4,7 @@ The CUDA host code picks a kernel variant from the problem's sizes and the GPU: 
 contrastive forward's rows per CTA (16 or 32, CLIPSHARD_CHUNKED_FORWARD_ROWS), the rows per CTA of
 SigLIP's kernel with ids (1, 2, 4 or 8, from M and the SM count), the teachers per launch of the
 distillation forward (distill_forward_kernel<1> or <2>). Those rules live once, in
-csrc/include/clipshard/launch_config.h; the launchers call them, and so do the internal ops
+csrc/include/clipshard/launch_rules.h; the launchers call them, and so do the internal ops
 torch.ops.clipshard._chunked_forward_rows_per_cta, _siglip_ids_rows_per_cta and
 _distill_launch_teachers that this module wraps, on any machine. The first-use check
 (clipshard/ops/first_use.py) keys its verdicts by these answers and builds problems that reach them.

@@ -6,7 +6,7 @@
 #include <cstdint>
 
 #include "../env_vars.h"
-#include "clipshard/launch_config.h"
+#include "clipshard/launch_rules.h"
 
 namespace clipshard::chunked {
 
@@ -14,13 +14,13 @@ namespace clipshard::chunked {
 // at every call so that one process can time both variants), else the default.
 inline int requested_forward_rows() {
   const auto choice = env::choice("CLIPSHARD_CHUNKED_FORWARD_ROWS", {"16", "32"});
-  if (!choice) return launch::kChunkedForwardRowsDefault;
-  return *choice == 0 ? launch::kChunkedForwardRowsNarrow : launch::kChunkedForwardRowsWide;
+  if (!choice) return launch_rules::kChunkedForwardRowsDefault;
+  return *choice == 0 ? launch_rules::kChunkedForwardRowsNarrow : launch_rules::kChunkedForwardRowsWide;
 }
 
-// Rows per CTA of the forward kernel for M rows (launch_config.h's rule).
+// Rows per CTA of the forward kernel for M rows (launch_rules.h's rule for the requested variant).
 inline int forward_rows_per_cta(int64_t M) {
-  return launch::chunked_forward_rows_per_cta(M, requested_forward_rows());
+  return launch_rules::chunked_forward_rows(M, requested_forward_rows(), launch_rules::kChunkedForwardRowsWide);
 }
 
 }  // namespace clipshard::chunked

@@ -11,6 +11,7 @@
 
 #include "../chunked/chunk_driver.h"
 #include "../chunked/forward_rows.h"
+#include "clipshard/launch_rules.h"
 #include "contrastive_lse_chunked_kernels.cuh"
 #include "dispatch_features.h"
 #include "fp16_prescale.h"
@@ -25,18 +26,16 @@ namespace k = chunked_cuda;
 // 32 rows), rounded up; the gradient pass adds the dlogits chunk.
 constexpr int64_t kForwardBytesPerLogit = 5;
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+using launch_rules::ceil_div;
 
 // The grid's y dimension (row blocks) is at most 65535.
-constexpr int64_t kMaxRowBlocks = launch::kChunkedMaxRowBlocks;
+constexpr int64_t kMaxRowBlocks = launch_rules::kMaxGridY;
 
 // The forward kernel variant (docs/fused_loss_cuda.md, "Resources per kernel"): rows per CTA, from
-// chunked::forward_rows_per_cta (csrc/chunked/forward_rows.h: CLIPSHARD_CHUNKED_FORWARD_ROWS, the
-// default of launch_config.h, the wide variant past the narrow one's 65535 * 16 rows), which the
-// first-use check queries too. The GPU check benchmarks both variants.
-static_assert(k::kForwardRowsWide == launch::kChunkedForwardRowsWide &&
-                  k::kForwardRowsNarrow == launch::kChunkedForwardRowsNarrow,
-              "the kernels' variants are launch_config.h's");
+// chunked::forward_rows_per_cta (csrc/chunked/forward_rows.h: CLIPSHARD_CHUNKED_FORWARD_ROWS, else
+// launch_rules.h's default; the wide variant past the narrow one's 65535 * 16 rows, so that the
+// forward takes every M the backward takes), which the first-use check queries too. The GPU check
+// benchmarks both variants.
 static_assert(k::kForwardRowsWide == k::kRowsPerCta, "forward and backward row limits agree");
 
 // Row blocks of rows_per_cta rows: the grid's y dimension.
@@ -47,13 +46,10 @@ unsigned row_blocks(const char* fn, int64_t M, int rows_per_cta) {
   return static_cast<unsigned>(n);
 }
 
-// Column splits: enough CTAs for about three per SM, each with as many column steps as possible
-// (every CTA ends with a reduction of its row states, worth amortising).
+// Column splits (launch_rules.h): about three CTAs per SM.
 unsigned column_splits(int64_t width, unsigned n_row_blocks) {
-  const int64_t steps = ceil_div(width, k::kThreads);
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t wanted = ceil_div(3 * sms, n_row_blocks);
-  return static_cast<unsigned>(std::clamp<int64_t>(wanted, 1, steps));
+  return launch_rules::chunk_column_splits(width, n_row_blocks,
+                                           at::cuda::getCurrentDeviceProperties()->multiProcessorCount, k::kThreads);
 }
 
 k::Lse* as_states(const Tensor& t) { return reinterpret_cast<k::Lse*>(t.data_ptr<float>()); }

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 
+#include "clipshard/launch_rules.h"
 #include "clipshard/online_lse.h"
 
 namespace clipshard {
@@ -26,9 +27,9 @@ constexpr int kRowsPerCta = 32;  // rows per CTA of chunk_grad_kernel
 
 // The two variants of chunk_forward_kernel (docs/fused_loss_cuda.md, "Resources per kernel"): 32
 // row states per thread (160 registers: one 256-thread CTA per SM) or 16 (two CTAs per SM, no
-// spills). contrastive_lse_chunked.cu picks one (launch_config.h's rule).
-constexpr int kForwardRowsWide = 32;
-constexpr int kForwardRowsNarrow = 16;
+// spills). contrastive_lse_chunked.cu picks one (launch_rules.h's rule, through csrc/chunked/forward_rows.h).
+constexpr int kForwardRowsWide = launch_rules::kChunkedForwardRowsWide;
+constexpr int kForwardRowsNarrow = launch_rules::kChunkedForwardRowsNarrow;
 // CTAs per SM that __launch_bounds__ asks the compiler to fit for a forward variant.
 template <int kRows>
 constexpr int kForwardMinCtasPerSm = kRows == kForwardRowsNarrow ? 2 : 1;

@@ -17,9 +17,8 @@
 
 #include "../chunked/chunk_driver.h"
 #include "../distill_args.h"
-#include "clipshard/launch_config.h"
 #include "dispatch_features.h"
-#include "distill_lse_kernels.cuh"
+#include "distill_launch.h"
 #include "fp16_prescale.h"
 
 namespace clipshard {
@@ -28,22 +27,17 @@ namespace {
 using at::Tensor;
 namespace k = distill_cuda;
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-static_assert(k::kMaxLaunchTeachers == launch::kDistillMaxLaunchTeachers,
-              "distill_forward_kernel<1> and <2> are launch_config.h's variants");
-
-// The grid's y dimension for blocks of rows_per_cta rows: one CTA row per block up to 65535, then
-// each CTA takes every gridDim.y-th block (the kernels loop), so that M has no limit.
-unsigned grid_rows(int64_t M, int rows_per_cta) {
-  return static_cast<unsigned>(std::min(k::row_blocks_of(M, rows_per_cta), k::kMaxGridRows));
+// Runs kernel<<<grid, kThreads>>>(args...) on the stream: the launcher of distill_launch.h.
+auto launcher(cudaStream_t stream) {
+  return [stream](auto kernel, dim3 grid, auto... args) {
+    kernel<<<grid, k::kThreads, 0, stream>>>(args...);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
 }
 
-// Column splits: about three CTAs per SM, each with as many column steps as possible.
-unsigned column_splits(int64_t width, unsigned n_row_blocks) {
-  const int64_t steps = ceil_div(width, k::kThreads);
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  return static_cast<unsigned>(std::clamp<int64_t>(ceil_div(3 * sms, n_row_blocks), 1, steps));
+k::LaunchShape launch_shape(int64_t M, int64_t K, int64_t T, int64_t pos_offset, bool want_columns) {
+  return {M, K, T, pos_offset, want_columns, at::cuda::getCurrentDeviceProperties()->multiProcessorCount,
+          launch_rules::kMaxGridY};
 }
 
 template <typename State>
@@ -85,13 +79,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> distill_lse_c
   // Workspace per logit: the student's and the teachers' fp32 chunks, plus the partial column
   // states of one launch (the student's and two teachers': (2 + 2 x 3) floats per 16 rows).
   const int64_t kc = chunked::chunk_columns(M, K, 4 * (1 + T) + 2, workspace_bytes);
+  const k::LaunchShape shape = launch_shape(M, K, T, pos_offset, want_columns);
   const int64_t n_blocks = k::row_blocks_of(M, k::kForwardRows);
-  const unsigned gy = grid_rows(M, k::kForwardRows);
-  const unsigned gx_max = column_splits(kc, gy);
-  const int64_t pair = std::min<int64_t>(T, k::kMaxLaunchTeachers);
+  const int64_t gx_max = k::forward_column_splits(shape, kc), pair = k::forward_launch_teachers(shape);
   const Tensor student_dots = at::empty({M * kc}, f32), teacher_dots = at::empty({T, M * kc}, f32);
   Tensor running = empty_states(M, 2, f32), teacher_running = empty_states(T * M, 3, f32);
-  const Tensor row_partial = at::empty({int64_t(gx_max) * M * 2}, f32);
+  const Tensor row_partial = at::empty({gx_max * M * 2}, f32);
   const Tensor teacher_row_partial = at::empty({pair * gx_max * M * 3}, f32);
   const Tensor col_partial = want_columns ? at::empty({n_blocks * kc * 2}, f32) : Tensor();
   const Tensor teacher_col_partial = want_columns ? at::empty({pair * n_blocks * kc * 3}, f32) : Tensor();
@@ -99,62 +92,25 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> distill_lse_c
   Tensor row_lse = at::empty({M}, f32), pos_logit = at::empty({M}, f32);
   Tensor teacher_row_lse = at::empty({T, M}, f32), row_cross = at::empty({T, M}, f32);
   Tensor col_lse = at::empty({Kc}, f32), teacher_col_lse = at::empty({T, Kc}, f32), col_cross = at::empty({T, Kc}, f32);
+  auto columns_out = [&](Tensor& t) { return want_columns ? t.mutable_data_ptr<float>() : nullptr; };
+  const k::ForwardBuffers buffers{
+      student_dots.const_data_ptr<float>(), teacher_dots.const_data_ptr<float>(), M * kc,
+      scale_f.const_data_ptr<float>(), teacher_scale_f.const_data_ptr<float>(), as_states<k::Lse>(running),
+      as_states<k::Stat>(teacher_running), as_states<k::Lse>(row_partial), as_states<k::Stat>(teacher_row_partial),
+      want_columns ? as_states<k::Lse>(col_partial) : nullptr,
+      want_columns ? as_states<k::Stat>(teacher_col_partial) : nullptr, row_lse.mutable_data_ptr<float>(),
+      pos_logit.mutable_data_ptr<float>(), teacher_row_lse.mutable_data_ptr<float>(),
+      row_cross.mutable_data_ptr<float>(), columns_out(col_lse), columns_out(teacher_col_lse),
+      columns_out(col_cross)};
 
   for (int64_t begin = 0; begin < K; begin += kc) {
     const int64_t width = std::min(kc, K - begin);
-    const bool last = begin + width == K;
-    const unsigned gx = column_splits(width, gy);
-    const unsigned row_grid = static_cast<unsigned>(ceil_div(M, k::kThreads));
-    const unsigned col_grid = static_cast<unsigned>(ceil_div(width, k::kThreads));
     Tensor s = chunked::workspace_view(student_dots, M, width);
     chunked::mm_into(s, rows, cols.narrow(0, begin, width).t());
-    // Teachers two per launch, so that the student's chunk is read ceil(T / 2) times.
-    for (int64_t t0 = 0; t0 < T; t0 += k::kMaxLaunchTeachers) {
-      const int n = launch::distill_launch_teachers(T, t0);  // the first-use check queries this rule too
-      for (int64_t t = t0; t < t0 + n; ++t) {
-        Tensor d = chunked::workspace_view(teacher_dots[t], M, width);
-        chunked::mm_into(d, teacher_rows[t], teacher_cols[t].narrow(0, begin, width).t());
-      }
-      const bool student = t0 == 0;  // the first launch also folds the student's own statistics
-      const k::ForwardParams p{s.const_data_ptr<float>(), teacher_dots[t0].const_data_ptr<float>(), M * kc, M, width,
-                               begin, scale_f.const_data_ptr<float>(), teacher_scale_f.const_data_ptr<float>() + t0,
-                               pos_offset, student ? as_states<k::Lse>(row_partial) : nullptr,
-                               as_states<k::Stat>(teacher_row_partial),
-                               student && want_columns ? as_states<k::Lse>(col_partial) : nullptr,
-                               want_columns ? as_states<k::Stat>(teacher_col_partial) : nullptr,
-                               pos_logit.mutable_data_ptr<float>()};
-      if (n == 2)
-        k::distill_forward_kernel<2><<<dim3(gx, gy), k::kThreads, 0, stream>>>(p);
-      else
-        k::distill_forward_kernel<1><<<dim3(gx, gy), k::kThreads, 0, stream>>>(p);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      if (student) {
-        chunked_cuda::merge_row_partials_kernel<<<row_grid, k::kThreads, 0, stream>>>(
-            as_states<k::Lse>(running), as_states<k::Lse>(row_partial), M, static_cast<int>(gx),
-            last ? row_lse.mutable_data_ptr<float>() : nullptr);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        if (want_columns) {
-          chunked_cuda::merge_col_partials_kernel<<<col_grid, k::kThreads, 0, stream>>>(
-              as_states<k::Lse>(col_partial), width, static_cast<int>(n_blocks), begin,
-              col_lse.mutable_data_ptr<float>());
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        }
-      }
-      for (int64_t q = 0; q < n; ++q) {
-        const int64_t t = t0 + q;
-        k::merge_teacher_row_partials_kernel<<<row_grid, k::kThreads, 0, stream>>>(
-            as_states<k::Stat>(teacher_running) + t * M, as_states<k::Stat>(teacher_row_partial) + q * gx * M, M,
-            static_cast<int>(gx), last ? teacher_row_lse[t].mutable_data_ptr<float>() : nullptr,
-            last ? row_cross[t].mutable_data_ptr<float>() : nullptr);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-        if (want_columns) {
-          k::merge_teacher_col_partials_kernel<<<col_grid, k::kThreads, 0, stream>>>(
-              as_states<k::Stat>(teacher_col_partial) + q * n_blocks * width, width, static_cast<int>(n_blocks),
-              begin, teacher_col_lse[t].mutable_data_ptr<float>(), col_cross[t].mutable_data_ptr<float>());
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        }
-      }
-    }
+    k::forward_chunk(shape, buffers, begin, width, [&](int64_t t) {
+      Tensor d = chunked::workspace_view(teacher_dots[t], M, width);
+      chunked::mm_into(d, teacher_rows[t], teacher_cols[t].narrow(0, begin, width).t());
+    }, launcher(stream));
   }
   return {row_lse, pos_logit, teacher_row_lse, row_cross, col_lse, teacher_col_lse, col_cross};
 }
@@ -242,7 +198,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> distill_lse_backward_
   }
   auto unscale = [&](int64_t which) { return prescale.defined() ? prescale[which][1] : Tensor(); };
 
-  const unsigned gy = grid_rows(M, k::kGradRows);
+  const k::LaunchShape shape = launch_shape(M, K, T, pos_offset, /*want_columns=*/true);
   const Tensor student_dots = at::empty({M * kc}, f32), teacher_dots = at::empty({n_teachers, M * kc}, f32);
   chunked::GradientAccumulator student(rows, cols, kc, s_dtype, unscale(0), at::kFloat);
   std::vector<chunked::GradientAccumulator> teachers;
@@ -271,8 +227,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> distill_lse_backward_
             ptr(in.col_lse), ptr(in.g_teacher_row_lse), ptr(in.g_row_cross), ptr(in.teacher_row_lse),
             ptr(in.row_cross), ptr(in.g_teacher_col_lse), ptr(in.g_col_cross), ptr(in.teacher_col_lse),
             ptr(in.col_cross), ds.mutable_data_ptr<TS>(), dt_wanted ? dt_buffer.mutable_data_ptr<TT>() : nullptr};
-        k::distill_grad_kernel<TS, TT><<<dim3(column_splits(width, gy), gy), k::kThreads, 0, stream>>>(p);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        k::grad_chunk(shape, p, launcher(stream));
         student.add(begin, ds);
         for (int64_t t = 0; t < int64_t(teachers.size()); ++t)
           teachers[t].add(begin, dt_buffer[t].narrow(0, 0, M * width).view({M, width}));

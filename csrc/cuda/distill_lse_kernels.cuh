@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "clipshard/launch_rules.h"
 #include "clipshard/online_distill.h"
 #include "contrastive_lse_chunked_kernels.cuh"
 
@@ -32,14 +33,21 @@ using Stat = OnlineSoftmaxMean<float>;
 
 // Rows per CTA of the forward kernel: 16 rows x (2 + 3 kTeachers) floats of row state per thread.
 constexpr int kForwardRows = 16;
-// Rows per CTA of the gradient kernel: 2 x 32 floats per thread (the rows' s and dS of a column).
-constexpr int kGradRows = 32;
+// Rows per CTA of the gradient kernel: 2 x 16 floats per thread (the rows' s and dS of a column).
+// 32 rows needed 208-212 registers on sm_100 (one CTA per SM) and spilled on sm_120 (docs).
+constexpr int kGradRows = 16;
+// CTAs per SM that __launch_bounds__ asks ptxas to fit (docs/distillation_cuda.md, "Resources"):
+// the gradient kernel and the one-teacher forward two, the teacher-pair forward one.
+constexpr int kGradMinCtasPerSm = 2;
+template <int kTeachers>
+constexpr int kForwardMinCtasPerSm = kTeachers == 1 ? 2 : 1;
+// The teacher-pair launch keeps the student's 16 row states in shared memory instead of registers
+// (32 registers fewer: 255 registers and a spill on sm_100 before), one Lse per row and thread.
+template <int kTeachers>
+constexpr bool kStudentRowsInShared = kTeachers == 2;
 // Teachers folded by one forward launch at most: each launch reads the student's chunk once, so
-// T teachers cost ceil(T / 2) reads of it instead of T.
-constexpr int kMaxLaunchTeachers = 2;
-// The grid's y dimension is at most 65535: past that many row blocks a CTA takes every
-// gridDim.y-th one, so neither kernel limits M.
-constexpr int64_t kMaxGridRows = 65535;
+// T teachers cost ceil(T / 2) reads of it instead of T (launch_rules.h's distill_launch_teachers).
+constexpr int kMaxLaunchTeachers = launch_rules::kDistillMaxLaunchTeachers;
 
 // One launch folds kTeachers (1 or 2) teachers' chunks and, when student_row_partial is set (the
 // first launch), the student's own statistics.
@@ -84,10 +92,14 @@ __device__ __forceinline__ void write_row_totals(State (&state)[kForwardRows], S
 // column statistics of its columns over its rows. One exponential per logit and statistic; each
 // student logit is read once per launch, for all of the launch's teachers.
 template <int kTeachers>
-__global__ void __launch_bounds__(kThreads) distill_forward_kernel(ForwardParams p) {
+__global__ void __launch_bounds__(kThreads, kForwardMinCtasPerSm<kTeachers>) distill_forward_kernel(ForwardParams p) {
   static_assert(kTeachers >= 1 && kTeachers <= kMaxLaunchTeachers, "1 or 2 teachers per launch");
+  constexpr bool kSharedRows = kStudentRowsInShared<kTeachers>;
   __shared__ Lse student_scratch[kWarps][kForwardRows];
   __shared__ Stat teacher_scratch[kTeachers][kWarps][kForwardRows];
+  // [row][thread]: consecutive threads read consecutive states (no bank conflicts); one element
+  // when unused, so that the one-teacher kernel keeps its small footprint.
+  __shared__ Lse student_rows_shared[kSharedRows ? kForwardRows : 1][kSharedRows ? kThreads : 1];
   const int64_t n_blocks = row_blocks_of(p.M, kForwardRows);
   const float scale = *p.scale;
   float teacher_scale[kTeachers];
@@ -98,11 +110,14 @@ __global__ void __launch_bounds__(kThreads) distill_forward_kernel(ForwardParams
   for (int64_t block = blockIdx.y; block < n_blocks; block += gridDim.y) {
     const int64_t i0 = block * kForwardRows;
     const int rows = static_cast<int>(p.M - i0 < kForwardRows ? p.M - i0 : kForwardRows);
-    Lse student_row[kForwardRows];
+    Lse student_row[kSharedRows ? 1 : kForwardRows];
     Stat teacher_row[kTeachers][kForwardRows];
 #pragma unroll
     for (int r = 0; r < kForwardRows; ++r) {
-      student_row[r] = Lse::empty();
+      if constexpr (kSharedRows)
+        student_rows_shared[r][threadIdx.x] = Lse::empty();
+      else
+        student_row[r] = Lse::empty();
 #pragma unroll
       for (int q = 0; q < kTeachers; ++q) teacher_row[q][r] = Stat::empty();
     }
@@ -129,7 +144,10 @@ __global__ void __launch_bounds__(kThreads) distill_forward_kernel(ForwardParams
             teacher_col[q].add(t, s);
           }
           if (with_student) {
-            student_row[r].add(s);
+            if constexpr (kSharedRows)  // each thread touches only its own column of the array
+              student_rows_shared[r][threadIdx.x].add(s);
+            else
+              student_row[r].add(s);
             student_col.add(s);
             if (pos_row == r) p.pos_logit[i0 + r] = s;
           }
@@ -146,8 +164,16 @@ __global__ void __launch_bounds__(kThreads) distill_forward_kernel(ForwardParams
     for (int q = 0; q < kTeachers; ++q)
       write_row_totals(teacher_row[q], p.teacher_row_partial + (q * gridDim.x + blockIdx.x) * p.M + i0, rows,
                        teacher_scratch[q]);
-    if (with_student)
-      write_row_totals(student_row, p.student_row_partial + blockIdx.x * p.M + i0, rows, student_scratch);
+    if (with_student) {
+      if constexpr (kSharedRows) {
+        Lse from_shared[kForwardRows];  // the teachers' row states are dead here
+#pragma unroll
+        for (int r = 0; r < kForwardRows; ++r) from_shared[r] = student_rows_shared[r][threadIdx.x];
+        write_row_totals(from_shared, p.student_row_partial + blockIdx.x * p.M + i0, rows, student_scratch);
+      } else {
+        write_row_totals(student_row, p.student_row_partial + blockIdx.x * p.M + i0, rows, student_scratch);
+      }
+    }
     __syncthreads();  // the next row block writes the scratch again
   }
 }
@@ -208,7 +234,7 @@ __device__ __forceinline__ float value_or_zero(const float* v, int64_t i) { retu
 // added, so each student logit and each column's teacher statistics are read once per CTA (the
 // rows' statistics are the same for every thread: broadcast loads).
 template <typename TS, typename TT>
-__global__ void __launch_bounds__(kThreads) distill_grad_kernel(GradParams<TS, TT> p) {
+__global__ void __launch_bounds__(kThreads, kGradMinCtasPerSm) distill_grad_kernel(GradParams<TS, TT> p) {
   const int64_t n_blocks = row_blocks_of(p.M, kGradRows);
   const float scale = *p.scale;
   const float ds_prescale = p.prescale != nullptr ? p.prescale[0] : 1.f;

@@ -3,8 +3,9 @@
 //
 // Per column chunk: one GEMM (fp32 similarities, also for 16-bit features) and one elementwise
 // kernel; with with_grad the kernel also writes the logit gradients in the features' dtype and the
-// driver adds two GEMMs. With sample ids the elementwise kernel is siglip_ids_chunk_kernel (kIdRows
-// rows per CTA, labels by id); without them, the kernel of the op before ids, unchanged. fp16
+// driver adds two GEMMs. With sample ids the elementwise kernel is siglip_ids_chunk_kernel (up to
+// kIdRows rows per CTA by launch_rules.h, labels by id; siglip_launch.h launches either); without
+// them, the kernel of the op before ids, unchanged. fp16
 // logit gradients use the softmax loss's power-of-two prescale (fp16_prescale.cuh) with the bound
 // |scale| (|dl| <= 1), so that gradients near 1e-8 stay fp16 numbers; the driver multiplies the
 // row and column gradients back in fp32. The prescale is computed on the device: no host
@@ -20,10 +21,9 @@
 
 #include "../chunked/chunk_driver.h"
 #include "../siglip_args.h"
-#include "clipshard/launch_config.h"
 #include "dispatch_features.h"
 #include "fp16_prescale.h"
-#include "siglip_kernels.cuh"
+#include "siglip_launch.h"
 
 namespace clipshard {
 namespace {
@@ -44,13 +44,6 @@ struct Ids {
   bool mask_same_ids;
 };
 
-// Rows per CTA of the kernel with ids: launch_config.h's rule for this GPU's SM count (the first-use
-// check queries the same rule through csrc/launch_variants.cpp).
-int ids_rows_per_cta(int64_t M) {
-  static_assert(k::kIdRows == launch::kSiglipMaxIdRows, "the kernel's row states are launch_config.h's");
-  return launch::siglip_ids_rows_per_cta(M, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
-}
-
 template <typename DL, bool kGrad>
 void launch(const chunked::Chunk& chunk, DL* dlogits, int64_t pos_offset, const Tensor& scale,
             const std::optional<Tensor>& bias, const Tensor& prescale, const Ids& ids, Tensor& accumulators) {
@@ -60,17 +53,16 @@ void launch(const chunked::Chunk& chunk, DL* dlogits, int64_t pos_offset, const 
                        prescale.defined() ? prescale.data_ptr<float>() : nullptr,
                        accumulators[0].data_ptr<double>(), accumulators[1].data_ptr<double>(),
                        accumulators[2].data_ptr<double>()};
+  // Rows per CTA with ids: launch_rules.h's rule, which the first-use check queries too.
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const k::ChunkIds chunk_ids{ids.rows.defined() ? ids.rows.data_ptr<int64_t>() : nullptr,
+                              ids.rows.defined() ? ids.cols.data_ptr<int64_t>() : nullptr, ids.mask_same_ids,
+                              launch_rules::siglip_ids_rows_per_cta(M, sms, k::kIdRows)};
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  if (!ids.rows.defined()) {
-    k::siglip_chunk_kernel<DL, kGrad><<<static_cast<unsigned>(M), k::kThreads, 0, stream>>>(p);
-  } else {
-    const int rows_per_cta = ids_rows_per_cta(M);
-    const k::IdChunkParams<DL> q{p, ids.rows.data_ptr<int64_t>(), ids.cols.data_ptr<int64_t>(), ids.mask_same_ids,
-                                 rows_per_cta};
-    const auto ctas = static_cast<unsigned>((M + rows_per_cta - 1) / rows_per_cta);
-    k::siglip_ids_chunk_kernel<DL, kGrad><<<ctas, k::kThreads, 0, stream>>>(q);
-  }
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  k::launch_chunk<DL, kGrad>(p, chunk_ids, [stream](auto kernel, dim3 grid, const auto& params) {
+    kernel<<<grid, k::kThreads, 0, stream>>>(params);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> siglip_forward_cuda(

@@ -12,6 +12,7 @@
 
 #include <cstdint>
 
+#include "clipshard/launch_rules.h"
 #include "clipshard/siglip_math.h"
 
 namespace clipshard {
@@ -101,7 +102,7 @@ struct IdChunkParams {
 };
 
 // The most rows per CTA of the kernel with ids: each thread loads a column's id once for all of them.
-constexpr int kIdRows = 8;
+constexpr int kIdRows = launch_rules::kSiglipMaxIdRows;
 
 // The kernel above with labels by id, for rows_per_cta rows per CTA: z_ij = +1 for the positive
 // and for row_ids[i] == col_ids[j] (or no term at all with mask_same_ids), else -1. Each thread

@@ -1,14 +1,16 @@
 // Runs the chunked path's CUDA kernels (csrc/cuda/contrastive_lse_chunked_kernels.cuh and
 // fp16_prescale.cuh) on the host through emulate_cuda.h, driven chunk by chunk as
 // contrastive_lse_chunked.cu drives them on an H200 (both forward variants: 32 and 16 rows per CTA; as
-// many column splits as it would launch there, up to 8 here) (the GEMMs computed here in double and
+// many column splits as its rule in launch_rules.h picks there, up to 8 here) (the GEMMs computed here in double and
 // rounded to fp32, as cuBLAS with fp32 output would), and compares every output with a
 // double-precision reference. Cases with sample ids (duplicates, all equal) and without positives
-// (pos -1, launched as pos_offset = K like contrastive_lse.cu does) run the kernels' kIds variants.
+// (pos -1, launched with the pos_offset that contrastive_lse.cu's rule in launch_rules.h gives) run
+// the kernels' kIds variants.
 // Build: g++ -std=c++20 -O1 -pthread -I<repo>/csrc/cuda -I<repo>/csrc/include -I<torch>/include
 // Prints one line per case and exits non-zero on any mismatch. Usage: emulate_chunked_lse [CASE INDEX]
 #include "emulate_cuda.h"
-// The kernels, compiled as host code:
+// The kernels, compiled as host code, and the launch rules of contrastive_lse{,_chunked}.cu:
+#include "clipshard/launch_rules.h"
 #include "contrastive_lse_chunked_kernels.cuh"
 #include "fp16_prescale.cuh"
 #include "lse_reference.h"
@@ -74,7 +76,7 @@ static bool run_case(const Case& c, std::mt19937& gen, int forward_rows = k::kFo
   for (auto& v : g_col) v = c.has_col ? (c.realistic ? g * spread(gen) : unit(gen)) : 0.f;
   for (int64_t i = 0; i < M; ++i) g_pos[i] = c.realistic ? -(g_row[i] + (c.has_col ? g_col[i + c.pos] : 0.f)) : unit(gen);
   const float scale = c.scale;
-  const int64_t kernel_pos = c.pos < 0 ? K : c.pos;  // no positives: no column j < K is pos + i
+  const int64_t kernel_pos = clipshard::launch_rules::contrastive_kernel_pos_offset(c.pos, K);  // as the op passes it
   // Ids: about 4 columns per id (duplicates), rows sharing their positive's id; or all equal.
   std::vector<int64_t> row_ids, col_ids;
   if (c.ids != kNoIds) {
@@ -99,11 +101,10 @@ static bool run_case(const Case& c, std::mt19937& gen, int forward_rows = k::kFo
   };
   const unsigned gy = static_cast<unsigned>(ceil_div(M, k::kRowsPerCta));        // gradient kernel
   const unsigned gy_forward = static_cast<unsigned>(ceil_div(M, forward_rows));  // forward kernel
-  // Column splits as contrastive_lse_chunked.cu chooses them on an H200 (132 SMs): about three CTAs
-  // per SM, at most one per column step.
+  // Column splits by contrastive_lse_chunked.cu's rule (launch_rules.h) on an H200 (132 SMs), or two.
   auto splits = [&](int64_t width, unsigned row_blocks) {
-    const int64_t wanted = c.two_splits ? 2 : ceil_div(3 * kH200Sms, row_blocks);
-    return static_cast<unsigned>(std::min<int64_t>(wanted, ceil_div(width, k::kThreads)));
+    return c.two_splits ? static_cast<unsigned>(std::min<int64_t>(2, ceil_div(width, k::kThreads)))
+                        : clipshard::launch_rules::chunk_column_splits(width, row_blocks, kH200Sms, k::kThreads);
   };
 
   // Forward, chunk by chunk.

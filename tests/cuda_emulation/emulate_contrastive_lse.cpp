@@ -6,7 +6,8 @@
 #define CLIPSHARD_LSE_HOST_EMULATION
 #include "emulate_cuda.h"
 #include "emulate_mma.h"
-// The kernels, compiled as host code:
+// The kernels, compiled as host code, and the op's pos_offset rule (-1: no positives):
+#include "clipshard/launch_rules.h"
 #include "contrastive_lse_mma.cuh"
 #include "fp16_prescale.cuh"
 #include "lse_reference.h"
@@ -59,7 +60,7 @@ static bool run_case(const Case& c, std::mt19937& gen) {
     const float g = 0.5f / 65536.f;
     for (auto& v : g_row) v = g * spread(gen);
     for (auto& v : g_col) v = g * spread(gen);
-    for (int64_t i = 0; i < M; ++i) g_pos[i] = -(g_row[i] + g_col[i + c.pos]);
+    for (int64_t i = 0; i < M && c.pos >= 0; ++i) g_pos[i] = -(g_row[i] + g_col[i + c.pos]);
   }
   if (c.nan_row) rows[1 * D + 0] = T(NAN);
   const float scale = c.scale, bias = 0.75f;
@@ -69,10 +70,12 @@ static bool run_case(const Case& c, std::mt19937& gen) {
   const auto forward = kMma ? k::lse_forward_mma_kernel<T> : k::lse_forward_kernel<T>;
   const auto backward = kMma ? k::lse_backward_mma_kernel<T> : k::lse_backward_kernel<T>;
   const unsigned threads = kMma ? k::kMmaThreads : k::kThreads;
-  std::vector<float> row_lse(M), pos(M), col_lse(K);
+  // pos_offset as contrastive_lse.cu passes it: K for -1 (no positives), negated for the column pass.
+  const int64_t kernel_pos = clipshard::launch_rules::contrastive_kernel_pos_offset(c.pos, K);
+  std::vector<float> row_lse(M), pos(M, NAN), col_lse(K);
   emulate_launch(forward, blocks(M), threads,
                  k::ForwardParams<T>{rows.data(), cols.data(), M, K, D, &scale, bias_p,
-                                     row_lse.data(), pos.data(), c.pos});
+                                     row_lse.data(), pos.data(), kernel_pos});
   emulate_launch(forward, blocks(K), threads,
                  k::ForwardParams<T>{cols.data(), rows.data(), K, M, D, &scale, bias_p,
                                      col_lse.data(), nullptr, 0});
@@ -89,12 +92,12 @@ static bool run_case(const Case& c, std::mt19937& gen) {
   emulate_launch(backward, blocks(M), threads,
                  k::BackwardParams<T>{rows.data(), cols.data(), M, K, D, &scale, bias_p,
                                       row_lse.data(), g_row.data(), col_lse_p, g_col_p,
-                                      g_pos.data(), true, c.pos, grad_rows.data(),
+                                      g_pos.data(), true, kernel_pos, grad_rows.data(),
                                       partials.data(), partials.data() + blocks(M), prescale_p});
   emulate_launch(backward, blocks(K), threads,
                  k::BackwardParams<T>{cols.data(), rows.data(), K, M, D, &scale, bias_p,
                                       col_lse_p, g_col_p, row_lse.data(), g_row.data(),
-                                      g_pos.data(), false, -c.pos, grad_cols.data(), nullptr,
+                                      g_pos.data(), false, -kernel_pos, grad_cols.data(), nullptr,
                                       nullptr, prescale_p});
   for (auto& v : grad_rows) v *= prescale[1];
   for (auto& v : grad_cols) v *= prescale[1];
@@ -121,7 +124,9 @@ static bool run_case(const Case& c, std::mt19937& gen) {
   const double atol = 1e-5 * (1 + scale);
   for (int64_t i = 0; i < M && ok; ++i) {
     ok &= close(row_lse[i], ref.row_lse[i], atol, "row_lse", i);
-    ok &= close(pos[i], ref.S[i * K + i + c.pos], atol, "pos_logit", i);
+    // Without positives no logit is one: the kernel writes none (the op then fills NaN).
+    ok &= c.pos >= 0 ? close(pos[i], ref.S[i * K + i + c.pos], atol, "pos_logit", i)
+                     : std::isnan(pos[i]) || close(pos[i], NAN, 0, "pos_logit (none)", i);
   }
   for (int64_t j = 0; j < K && ok; ++j) ok &= close(col_lse[j], ref.col_lse[j], atol, "col_lse", j);
   // The tensor-core backward rounds (pre-scaled) scale * dS to T before the dS @ other product:
@@ -148,12 +153,15 @@ int main() {
       {65, 130, 33, 1, 1.f, true, true, false},  {70, 200, 40, 100, 100.f, false, true, false},
       {129, 129, 64, 0, 14.3f, true, false, false}, {20, 70, 9, 50, 100.f, true, true, false},
       {40, 90, 24, 10, 14.3f, false, true, true},
+      // pos_offset -1: no own positives, K > M (the extra columns hard negatives), with and without bias
+      {40, 90, 24, -1, 14.3f, true, true, false},  {65, 130, 33, -1, 1.f, false, true, false},
   };
   const Case mma_cases[] = {
       {1, 1, 8, 0, 1.f, false, true, false},     {3, 5, 16, 2, 14.3f, true, true, false},
       {65, 130, 40, 1, 1.f, true, true, false},  {70, 200, 72, 100, 100.f, false, true, false},
       {129, 129, 64, 0, 14.3f, true, false, false}, {40, 90, 24, 10, 14.3f, false, true, true},
       {64, 4096, 64, 0, 14.3f, false, true, false, true},  // realistic upstream gradients: fp16 underflows without the pre-scale
+      {70, 200, 72, -1, 100.f, true, true, false},  // pos_offset -1: no own positives, 130 hard-negative columns
   };
   bool all = true;
   for (const Case& c : fma_cases) all &= run_case<float>(c, gen);
@@ -162,7 +170,7 @@ int main() {
     if (c.M == 3 || c.M == 70 || c.nan_row || c.realistic) all &= run_case<c10::Half>(c, gen);
   // Control: with realistic gradients, fp16 dS without the pre-scale underflows and must fail.
   g_without_prescale = true;
-  const bool control_failed = !run_case<c10::Half>(mma_cases[6], gen);
+  const bool control_failed = !run_case<c10::Half>(mma_cases[6], gen);  // the realistic case
   std::printf("%s control: fp16 without the pre-scale %s\n", control_failed ? "ok" : "FAILED",
               control_failed ? "loses the negative-pair gradients, as expected" : "passed: the test cannot see underflow");
   all &= control_failed;

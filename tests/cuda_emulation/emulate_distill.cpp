@@ -1,6 +1,7 @@
 // Runs the distillation op's CUDA kernels (csrc/cuda/distill_lse_kernels.cuh, with the merge
 // kernels of contrastive_lse_chunked_kernels.cuh and fp16_prescale.cuh) on the host through
-// emulate_cuda.h, driven chunk by chunk as distill_lse.cu drives them, and compares the forward's
+// emulate_cuda.h, launched chunk by chunk by distill_lse.cu's own launch code (distill_launch.h:
+// grids, teacher groups, pointer offsets), and compares the forward's
 // statistics and the backward's dS and dT^k (the GEMMs' inputs; the GEMMs are ATen's) with a
 // double-precision reference of the op's formulas. The similarities are given as fp32 matrices,
 // as the fp32-output GEMMs write them.
@@ -12,8 +13,8 @@
 // Which deliberate bug a broken copy of the kernels (written by test_distill_cuda_emulation.py)
 // switches on; the real kernels never read it.
 static int g_broken = 0;
-// The kernels, compiled as host code:
-#include "distill_lse_kernels.cuh"
+// The kernels and their launch code, compiled as host code:
+#include "distill_launch.h"
 #include "fp16_prescale.cuh"
 
 #include <c10/util/BFloat16.h>
@@ -42,8 +43,8 @@ struct Case {
   float scale;
   std::vector<float> teacher_scale;
   bool realistic;              // upstream gradients of a real loss (0.5 / 65536) instead of N(0, 1)
-  unsigned splits = 1;         // column splits per chunk (at most its column steps), as column_splits() picks
-  unsigned max_grid_rows = 0;  // a cap on gridDim.y below the row blocks (the kernels' row-block loop), or 0
+  int64_t sms = 1;             // multiprocessors: the launch rules pick about 3 x sms CTAs (column splits)
+  int64_t max_grid_rows = clipshard::launch_rules::kMaxGridY;  // lowered: the kernels' row-block loop runs
   bool want_columns = true;
   unsigned given = kAll;
   bool teacher_grad = true;
@@ -119,12 +120,13 @@ static bool run_case(const Case& c, std::mt19937& gen) {
   const float scale = c.scale;
   const std::vector<float>& ts = c.teacher_scale;
 
-  // ------------------------------------------------------------------ forward, chunk by chunk (distill_lse.cu)
+  // ------------------------------------------------------------------ forward, chunk by chunk (distill_launch.h)
+  const k::LaunchShape shape{M, K, T_, c.pos, c.want_columns, c.sms, c.max_grid_rows};
+  auto launch = [](auto kernel, dim3 grid, auto... args) {
+    emulate_launch([&](int) { kernel(args...); }, grid, k::kThreads, 0);
+  };
   const int64_t n_blocks = k::row_blocks_of(M, k::kForwardRows);
-  const unsigned gy = unsigned(c.max_grid_rows ? std::min<int64_t>(c.max_grid_rows, n_blocks) : n_blocks);
-  auto splits = [&](int64_t width) { return unsigned(std::min<int64_t>(c.splits, ceil_div(width, k::kThreads))); };
-  const int64_t pair = std::min<int64_t>(T_, k::kMaxLaunchTeachers);
-  const unsigned gx_max = splits(c.kc);
+  const int64_t pair = k::forward_launch_teachers(shape), gx_max = k::forward_column_splits(shape, c.kc);
   std::vector<Lse> running(M, Lse::empty()), row_partial(gx_max * M), col_partial(n_blocks * c.kc);
   std::vector<Stat> t_running(T_ * M, Stat::empty()), t_row_partial(pair * gx_max * M), t_col_partial(pair * n_blocks * c.kc);
   std::vector<float> row_lse(M), pos(M, NAN), col_lse(K), t_row_lse(T_ * M), row_cross(T_ * M);
@@ -134,46 +136,18 @@ static bool run_case(const Case& c, std::mt19937& gen) {
       for (int64_t j = 0; j < width; ++j) out[i * width + j] = full[i * K + begin + j];
   };
   std::vector<float> s(M * c.kc), teachers(T_ * M * c.kc);
+  const k::ForwardBuffers buffers{s.data(), teachers.data(), M * c.kc, &scale, ts.data(), running.data(),
+                                  t_running.data(), row_partial.data(), t_row_partial.data(),
+                                  c.want_columns ? col_partial.data() : nullptr,
+                                  c.want_columns ? t_col_partial.data() : nullptr, row_lse.data(), pos.data(),
+                                  t_row_lse.data(), row_cross.data(), c.want_columns ? col_lse.data() : nullptr,
+                                  c.want_columns ? t_col_lse.data() : nullptr, c.want_columns ? col_cross.data() : nullptr};
   for (int64_t begin = 0; begin < K; begin += c.kc) {
     const int64_t width = std::min(c.kc, K - begin);
-    const bool last = begin + width == K;
-    const unsigned gx = splits(width);
-    const unsigned row_grid = unsigned(ceil_div(M, k::kThreads)), col_grid = unsigned(ceil_div(width, k::kThreads));
     chunk_of(sdot, begin, width, s.data());
-    for (int64_t t0 = 0; t0 < T_; t0 += k::kMaxLaunchTeachers) {
-      const int64_t n = std::min<int64_t>(k::kMaxLaunchTeachers, T_ - t0);
-      for (int64_t t = t0; t < t0 + n; ++t) chunk_of(tdot[t], begin, width, teachers.data() + t * M * c.kc);
-      const bool student = t0 == 0;
-      const k::ForwardParams p{s.data(), teachers.data() + t0 * M * c.kc, M * c.kc, M, width, begin, &scale,
-                               ts.data() + t0, c.pos, student ? row_partial.data() : nullptr, t_row_partial.data(),
-                               student && c.want_columns ? col_partial.data() : nullptr,
-                               c.want_columns ? t_col_partial.data() : nullptr, pos.data()};
-      if (n == 2)
-        emulate_launch(k::distill_forward_kernel<2>, dim3{gx, gy, 1}, k::kThreads, p);
-      else
-        emulate_launch(k::distill_forward_kernel<1>, dim3{gx, gy, 1}, k::kThreads, p);
-      if (student) {
-        emulate_launch([&](int) { clipshard::chunked_cuda::merge_row_partials_kernel(
-                                      running.data(), row_partial.data(), M, int(gx), last ? row_lse.data() : nullptr); },
-                       row_grid, k::kThreads, 0);
-        if (c.want_columns)
-          emulate_launch([&](int) { clipshard::chunked_cuda::merge_col_partials_kernel(
-                                        col_partial.data(), width, int(n_blocks), begin, col_lse.data()); },
-                         col_grid, k::kThreads, 0);
-      }
-      for (int64_t q = 0; q < n; ++q) {
-        const int64_t t = t0 + q;
-        emulate_launch([&](int) { k::merge_teacher_row_partials_kernel(
-                                      t_running.data() + t * M, t_row_partial.data() + q * gx * M, M, int(gx),
-                                      last ? t_row_lse.data() + t * M : nullptr, last ? row_cross.data() + t * M : nullptr); },
-                       row_grid, k::kThreads, 0);
-        if (c.want_columns)
-          emulate_launch([&](int) { k::merge_teacher_col_partials_kernel(t_col_partial.data() + q * n_blocks * width,
-                                                                          width, int(n_blocks), begin,
-                                                                          t_col_lse.data() + t * K, col_cross.data() + t * K); },
-                         col_grid, k::kThreads, 0);
-      }
-    }
+    k::forward_chunk(shape, buffers, begin, width, [&](int64_t t) {
+      chunk_of(tdot[t], begin, width, teachers.data() + t * M * c.kc);
+    }, launch);
   }
 
   // ------------------------------------------------------------------ double reference
@@ -205,7 +179,7 @@ static bool run_case(const Case& c, std::mt19937& gen) {
   std::snprintf(label, sizeof label,
                 "distill %s/%s M=%lld K=%lld T=%lld kc=%lld pos=%lld scale=%g splits=%u grid_rows=%u%s%s%s given=%u%s",
                 name<TS>(), name<TT>(), (long long)M, (long long)K, (long long)T_, (long long)c.kc, (long long)c.pos,
-                scale, splits(c.kc), gy, c.realistic ? " realistic-gradients" : "", c.want_columns ? "" : " no-columns",
+                scale, k::forward_column_splits(shape, c.kc), k::forward_grid_rows(shape), c.realistic ? " realistic-gradients" : "", c.want_columns ? "" : " no-columns",
                 c.teacher_grad ? "" : " no-teacher-grad", c.given, c.poison ? " nan-inf" : "");
   const double atol = 2e-6 * (1 + std::max<double>(scale, *std::max_element(ts.begin(), ts.end())));
   // A statistic that a poisoned logit reaches must be non-finite: the student's NaN reaches its row's
@@ -285,8 +259,6 @@ static bool run_case(const Case& c, std::mt19937& gen) {
   const std::vector<float> prescale = g_without_prescale ? std::vector<float>(2 * (1 + T_), 1.f) : expected;
   // The kernels read the forward's fp32 statistics, as the op's backward does.
   std::vector<double> dS(M * K), dT(T_ * M * K);
-  const int64_t grad_blocks = k::row_blocks_of(M, k::kGradRows);
-  const unsigned gy_grad = unsigned(c.max_grid_rows ? std::min<int64_t>(c.max_grid_rows, grad_blocks) : grad_blocks);
   std::vector<TS> ds(M * c.kc);
   std::vector<TT> dt(dt_wanted ? T_ * M * c.kc : 0);
   for (int64_t begin = 0; begin < K; begin += c.kc) {
@@ -299,7 +271,7 @@ static bool run_case(const Case& c, std::mt19937& gen) {
                                   c.want_columns ? col_lse.data() : nullptr, ptr(g_trl), ptr(g_rc), t_row_lse.data(),
                                   row_cross.data(), ptr(g_tcl), ptr(g_cc), c.want_columns ? t_col_lse.data() : nullptr,
                                   c.want_columns ? col_cross.data() : nullptr, ds.data(), dt_wanted ? dt.data() : nullptr};
-    emulate_launch(k::distill_grad_kernel<TS, TT>, dim3{splits(width), gy_grad, 1}, k::kThreads, p);
+    k::grad_chunk(shape, p, launch);
     for (int64_t i = 0; i < M; ++i)
       for (int64_t j = 0; j < width; ++j) {
         dS[i * K + begin + j] = double(float(ds[i * width + j])) / prescale[0];
@@ -370,11 +342,12 @@ int main(int argc, char** argv) {
       {37, 301, 2, 11, 128, 14.3f, {10.f, 30.f}, false},      // K not a multiple of kc, two teachers, 3 row blocks
       {20, 300, 1, 100, 256, 100.f, {100.f}, false},          // scales 100
       {17, 400, 2, 5, 128, 14.3f, {20.f, 5.f}, true},         // realistic upstream gradients
-      // two column splits, the first with two column steps (and a last chunk of one step), three
-      // teachers (a launch of two, then one), one CTA row for 3 forward / 2 gradient row blocks
-      with(Case{37, 1700, 3, 40, 768, 14.3f, {10.f, 30.f, 3.f}, false}, [](Case& c) { c.splits = 2; c.max_grid_rows = 1; }),
-      // scales above 100 (logits up to 300 / 250), NaN and +Inf logits, two splits
-      with(Case{21, 700, 2, 3, 512, 300.f, {250.f, 120.f}, false}, [](Case& c) { c.splits = 2; c.poison = true; }),
+      // one CTA row for 3 row blocks (the kernels' row-block loop): three column splits of the
+      // first chunk's five column steps (two steps for two of them), two of the last chunk's two;
+      // three teachers (a launch of two, then one)
+      with(Case{37, 1700, 3, 40, 1280, 14.3f, {10.f, 30.f, 3.f}, false}, [](Case& c) { c.max_grid_rows = 1; }),
+      // scales above 100 (logits up to 300 / 250), NaN and +Inf logits, two splits (2 row blocks)
+      with(Case{21, 700, 2, 3, 512, 300.f, {250.f, 120.f}, false}, [](Case& c) { c.poison = true; }),
   };
   bool all = true;
   if (quick) {

@@ -7,9 +7,9 @@
 // Build: g++ -std=c++20 -O1 -pthread -I<repo>/csrc/cuda -I<repo>/csrc/include -I<torch>/include emulate_siglip.cpp
 // Prints one line per case and exits non-zero on any mismatch. Usage: emulate_siglip [CASE INDEX]
 #include "emulate_cuda.h"
-// The kernel, compiled as host code:
+// The kernels and siglip.cu's launch of them (siglip_launch.h), compiled as host code:
 #include "fp16_prescale.cuh"
-#include "siglip_kernels.cuh"
+#include "siglip_launch.h"
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -38,10 +38,15 @@ struct Case {
                                     // of row 2 Inf: in pairs that are dropped when all ids are equal)
   Ids ids = Ids::kNone;
   int64_t distinct_ids = 0;         // ids drawn from [0, distinct_ids) (1: all equal)
-  int rows_per_cta = k::kIdRows;    // of the kernel with ids
+  int rows_per_cta = 0;             // of the kernel with ids; 0: the launch rule's choice on 1 SM
 };
 
 static const char* ids_name(Ids ids) { return ids == Ids::kNone ? "" : ids == Ids::kMulti ? " ids-multi" : " ids-mask"; }
+
+// Rows per CTA of the kernel with ids: the case's, or what siglip.cu's rule picks on a 1-SM device.
+static int rows_per_cta(const Case& c) {
+  return c.rows_per_cta ? c.rows_per_cta : clipshard::launch_rules::siglip_ids_rows_per_cta(c.M, 1, k::kIdRows);
+}
 
 // The kernel's outputs over all chunks: per-row sums and the M x K logit gradients.
 template <typename DL>
@@ -67,13 +72,11 @@ static Outputs<DL> run_kernel(const Case& c, const std::vector<float>& dots, con
     std::vector<DL> chunk_dl(M * width);
     k::ChunkParams<DL> p{chunk.data(), kGrad ? chunk_dl.data() : nullptr, M, width, begin, c.pos_offset,
                          &c.scale, bias, prescale, out.loss.data(), out.grad_scale.data(), out.grad_bias.data()};
-    if (with_ids) {
-      const k::IdChunkParams<DL> q{p, row_ids.data(), col_ids.data(), c.ids == Ids::kMask, c.rows_per_cta};
-      const auto ctas = static_cast<unsigned>((M + c.rows_per_cta - 1) / c.rows_per_cta);
-      emulate_launch(k::siglip_ids_chunk_kernel<DL, kGrad>, ctas, k::kThreads, q);
-    } else {
-      emulate_launch(k::siglip_chunk_kernel<DL, kGrad>, static_cast<unsigned>(M), k::kThreads, p);
-    }
+    const k::ChunkIds ids{with_ids ? row_ids.data() : nullptr, with_ids ? col_ids.data() : nullptr,
+                          c.ids == Ids::kMask, rows_per_cta(c)};
+    k::launch_chunk<DL, kGrad>(p, ids, [](auto kernel, dim3 grid, const auto& params) {
+      emulate_launch(kernel, grid, k::kThreads, params);
+    });
     for (int64_t i = 0; i < M; ++i)
       for (int64_t j = 0; j < width; ++j) out.dlogits[i * K + begin + j] = chunk_dl[i * width + j];
   }
@@ -179,7 +182,7 @@ static bool run_distinct_ids_case(const Case& c, std::mt19937& gen) {
   const bool ok = same_bits(plain.loss, with_ids.loss) && same_bits(plain.grad_scale, with_ids.grad_scale) &&
                   same_bits(plain.grad_bias, with_ids.grad_bias) && same_bits(plain.dlogits, with_ids.dlogits);
   std::printf("%s %s %s distinct ids bit-equal to no ids (%d rows per CTA)\n", ok ? "ok" : "  MISMATCH",
-              kGrad ? "grad" : "loss", name<DL>(), c.rows_per_cta);
+              kGrad ? "grad" : "loss", name<DL>(), rows_per_cta(c));
   return ok;
 }
 
@@ -193,7 +196,8 @@ int main(int argc, char** argv) {
       {7, 257, 128, 250, 1.f, 0.f, 1.f, false, false},     // positives in the last, one-column-wide chunk
       {4, 513, 512, 100, 30.f, -5.f, 1.f, true, true},     // a NaN similarity: row 1 all NaN
       {3, 300, 128, kNoPositives, 10.f, -10.f, 1.f, true, false},  // no positives: every pair a negative
-      // labels by id: a partial last CTA of rows (13 = 8 + 5), ~1 in 20 pairs same-id, ragged chunks
+      // labels by id: the launch rule's 4 rows per CTA (13 rows on 1 SM), a partial last CTA of rows
+      // (13 = 3 x 4 + 1), ~1 in 20 pairs same-id, ragged chunks
       {13, 700, 256, 300, 10.f, -10.f, 1.f, true, false, Ids::kMulti, 20},
       {13, 700, 256, 300, 10.f, -10.f, 1.f, true, false, Ids::kMask, 20, 3},  // 3 rows per CTA
       // all ids equal: only the positives; a NaN and an Inf similarity in dropped pairs
@@ -213,8 +217,8 @@ int main(int argc, char** argv) {
     ok &= run_case<c10::Half, true>(fp16, gen);
   }
   if (argc == 1) {
-    for (const int rows_per_cta : {k::kIdRows, 1}) {
-      const Case distinct{11, 513, 256, 100, 10.f, -10.f, 1.f, true, false, Ids::kMulti, 0, rows_per_cta};
+    for (const int rows : {k::kIdRows, 1}) {
+      const Case distinct{11, 513, 256, 100, 10.f, -10.f, 1.f, true, false, Ids::kMulti, 0, rows};
       ok &= run_distinct_ids_case<float, false>(distinct, gen);
       ok &= run_distinct_ids_case<float, true>(distinct, gen);
       ok &= run_distinct_ids_case<c10::BFloat16, true>(distinct, gen);

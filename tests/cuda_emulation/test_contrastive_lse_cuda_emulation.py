@@ -4,7 +4,9 @@ tests/cuda_emulation compiles the kernels' .cuh files as host C++ with one fiber
 barriers for __syncthreads, and host versions of the warp shuffles, ldmatrix and mma.sync written
 from the PTX fragment layouts, then compares every output with a double-precision reference:
 
-- emulate_contrastive_lse.cpp: the "fused" tile kernels, FMA (fp32) and tensor-core (bf16, fp16);
+- emulate_contrastive_lse.cpp: the "fused" tile kernels, FMA (fp32) and tensor-core (bf16, fp16),
+  with positives and without (pos_offset -1, through the op's own rule in launch_rules.h, which a
+  broken copy of that rule shows);
 - emulate_chunked_lse.cpp: the "chunked" path's elementwise kernels (fp32, bf16, fp16; with and
   without sample ids, with and without positives), driven
   chunk by chunk as contrastive_lse_chunked.cu drives them on an H200 (132 SMs: min(ceil(396 / gy),
@@ -23,7 +25,8 @@ import subprocess
 
 import pytest
 
-from tests.cuda_emulation.emulation_utils import HARNESSES, build_real_and_broken, finish_builds, start_build
+from tests.cuda_emulation.emulation_utils import (HARNESSES, INCLUDE, broken_copy, build_real_and_broken, finish_builds,
+                                                  start_build)
 
 STRIDE = ("row_state[r] = Lse::empty();\n\n  for (int64_t j0 = static_cast<int64_t>(blockIdx.x) * kThreads; "
           "j0 < p.width;\n       j0 += static_cast<int64_t>(gridDim.x) * kThreads) {")
@@ -35,13 +38,34 @@ def _run(exe):
     return run
 
 
-def test_fused_kernels_match_double_reference_in_host_emulation(tmp_path):
-    exe = tmp_path / "emulate_contrastive_lse"
-    finish_builds({"fused": start_build(HARNESSES / "emulate_contrastive_lse.cpp", exe)})
-    out = _run(exe).stdout
-    assert out.count("ok fma fp32") == 7 and out.count("ok mma bf16") == 7
-    assert out.count("ok mma fp16") == 4
+# contrastive_lse.cu's pos_offset rule with -1 taken as 0 (the diagonal a positive) instead of K:
+# the harness must catch it, since it calls the op's rule.
+POS_RULE = ("return pos_offset == -1 ? K : pos_offset;", "return pos_offset == -1 ? 0 : pos_offset;")
+
+
+@pytest.fixture(scope="module")
+def fused_harnesses(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fused_emulation")
+    rules = tmp / "broken_rules"
+    broken_copy("launch_rules.h", rules / "clipshard", *POS_RULE, kernels=INCLUDE / "clipshard")
+    source = HARNESSES / "emulate_contrastive_lse.cpp"
+    finish_builds({"real": start_build(source, tmp / "real"), "broken": start_build(source, tmp / "broken", rules)})
+    return tmp / "real", tmp / "broken"
+
+
+def test_fused_kernels_match_double_reference_in_host_emulation(fused_harnesses):
+    out = _run(fused_harnesses[0]).stdout
+    assert out.count("ok fma fp32") == 9 and out.count("ok mma bf16") == 8
+    assert out.count("ok mma fp16") == 5
+    # pos_offset -1 (no own positives; hard-negative columns): two FMA cases, one tensor-core case in bf16 and fp16
+    assert out.count("pos=-1 ") == 4, out
     assert "ok control: fp16 without the pre-scale loses" in out
+
+
+def test_fused_emulation_runs_the_ops_pos_offset_rule(fused_harnesses):
+    run = subprocess.run([str(fused_harnesses[1])], capture_output=True, text=True, timeout=900)
+    assert run.returncode != 0 and "FAILED fma fp32 M=40 K=90 D=24 pos=-1" in run.stdout, run.stdout
+    assert "ok fma fp32 M=65 K=130 D=33 pos=1 " in run.stdout  # the cases with positives are unaffected
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The launch rules that pick a compiled CUDA kernel variant (csrc/include/clipshard/launch_config.h),
+"""The launch rules that pick a compiled CUDA kernel variant (csrc/include/clipshard/launch_rules.h),
 as the first-use check queries them (clipshard/ops/launch_variants.py), and that the CUDA launchers
 call those same rules rather than a copy of them."""
 import pathlib
@@ -57,12 +57,26 @@ def test_rows_reaching_refuses_a_variant_the_rule_never_gives():
 
 
 @pytest.mark.parametrize("source,call", [
-    ("siglip.cu", "launch::siglip_ids_rows_per_cta(M,"),
-    ("contrastive_lse_chunked.cu", "chunked::forward_rows_per_cta(rows.size(0))"),
-    ("distill_lse.cu", "launch::distill_launch_teachers(T, t0)"),
+    ("cuda/siglip.cu", "launch_rules::siglip_ids_rows_per_cta(M, sms,"),
+    ("cuda/contrastive_lse_chunked.cu", "chunked::forward_rows_per_cta(rows.size(0))"),
+    ("chunked/forward_rows.h", "launch_rules::chunked_forward_rows(M, requested_forward_rows(),"),
+    ("cuda/distill_launch.h", "launch_rules::distill_launch_teachers(s.T, t0)"),
+    ("launch_variants.cpp", "launch_rules::siglip_ids_rows_per_cta(rows, multiprocessors,"),
+    ("launch_variants.cpp", "launch_rules::distill_launch_teachers(teachers, first)"),
 ])
-def test_the_cuda_launchers_call_the_shared_rules(source, call):
+def test_the_cuda_launchers_and_the_query_ops_call_the_shared_rules(source, call):
     """The launcher picks its variant through the rule the first-use check queries (no copy of it)."""
-    text = (ROOT / "csrc" / "cuda" / source).read_text()
-    assert call in text
-    assert not re.search(r"while \(rows > 1", text)  # the rule's loop lives in launch_config.h only
+    assert call in (ROOT / "csrc" / source).read_text()
+
+
+def test_each_launch_rule_is_defined_once():
+    """launch_rules.h is the one home of the rules: no other header or source defines a function of
+    the same name or repeats SigLIP's halving loop (two copies could drift apart)."""
+    names = ("siglip_ids_rows_per_cta", "chunked_forward_rows", "distill_launch_teachers", "chunk_column_splits",
+             "looping_grid_rows")
+    home = ROOT / "csrc" / "include" / "clipshard" / "launch_rules.h"
+    sources = [p for p in (ROOT / "csrc").rglob("*") if p.suffix in {".h", ".cuh", ".cpp", ".cu"}]
+    for name in names:
+        definition = re.compile(r"^(?:inline |constexpr |static )*[\w:<>]+ " + name + r"\(", re.M)
+        assert [p for p in sources if definition.search(p.read_text())] == [home], name
+    assert [p for p in sources if "while (rows > 1" in p.read_text()] == [home]
