@@ -117,9 +117,13 @@ def _lse_variants(device, path):
 
 
 def _every_lse_variant(device):
-    """On CUDA every forward rows per CTA; elsewhere (no such launch choice) the rule's for M rows."""
-    choices = (launch_variants.every_forward_rows() if device.type == "cuda"
-               else (launch_variants.chunked_forward_rows(M),))
+    """On CUDA every forward rows per CTA; elsewhere (no such launch choice) the rule's default for M
+    rows, whatever CLIPSHARD_CHUNKED_FORWARD_ROWS says where no kernel reads it."""
+    if device.type == "cuda":
+        choices = launch_variants.every_forward_rows()
+    else:
+        with launch_variants.forward_rows_requested(None):
+            choices = (launch_variants.chunked_forward_rows(M),)
     return tuple((("forward_rows", r), ("ids", ids), ("positives", p), ("col_lse", c)) for r, ids, p, c in
                  itertools.product(choices, (False, True), (True, False), (True, False)))
 
@@ -134,13 +138,10 @@ def _lse_inputs(dtypes, variant, device):
 
 @contextlib.contextmanager
 def _lse_reaching(variant):
-    """The probe's M runs the variant's forward rows per CTA: the rule gives the requested rows for M
-    rows, so only the 32 rows of very large batches under CLIPSHARD_CHUNKED_FORWARD_ROWS=16 need the
-    variable set to 32 while the probe runs."""
+    """The probe's M runs the variant's forward rows per CTA: CLIPSHARD_CHUNKED_FORWARD_ROWS is set
+    to the variant's rows while the probe runs (the rule gives the requested rows for M rows), so the
+    probe reaches its variant whatever the caller's value."""
     rows = dict(variant)["forward_rows"]
-    if launch_variants.chunked_forward_rows(M) == rows:
-        yield
-        return
     with launch_variants.forward_rows_requested(rows):
         if launch_variants.chunked_forward_rows(M) != rows:
             raise ValueError(f"the probe cannot reach the forward variant of {rows} rows per CTA")

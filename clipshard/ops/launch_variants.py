@@ -51,15 +51,16 @@ def multiprocessors(device):
 
 @contextlib.contextmanager
 def forward_rows_requested(rows):
-    """CLIPSHARD_CHUNKED_FORWARD_ROWS set to `rows` (16 or 32) for the block, restored after."""
-    saved = os.environ.get(FORWARD_ROWS_VARIABLE)
-    os.environ[FORWARD_ROWS_VARIABLE] = str(rows)
+    """CLIPSHARD_CHUNKED_FORWARD_ROWS set to `rows` (16 or 32; None: unset, the default) for the
+    block, restored after."""
+    saved = os.environ.pop(FORWARD_ROWS_VARIABLE, None)
+    if rows is not None:
+        os.environ[FORWARD_ROWS_VARIABLE] = str(rows)
     try:
         yield
     finally:
-        if saved is None:
-            del os.environ[FORWARD_ROWS_VARIABLE]
-        else:
+        os.environ.pop(FORWARD_ROWS_VARIABLE, None)
+        if saved is not None:
             os.environ[FORWARD_ROWS_VARIABLE] = saved
 
 
