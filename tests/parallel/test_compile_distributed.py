@@ -26,8 +26,8 @@ from compile_counts import path_inputs  # noqa: E402
 COMPILED_PATHS = ("clip local", "clip local nograd", "clip exchange:ids-mask", "clip exchange:ids-multi",
                   "clip exchange:negatives", "clip exchange:image_to_text", "clip exchange:unequal", "clip ring",
                   "clip ring:unequal", "clip ring:ids-mask", "clip ring global:ids-multi", "clip exchange global",
-                  "clip ring global nograd",
-                  "siglip ring:negatives", "distill exchange", "distill ring", "distill exchange global")
+                  "clip ring global nograd", "siglip ring:negatives", "distill exchange", "distill ring",
+                  "distill exchange global")
 # each backend once at least; a path compiled with another backend below is not compiled with "eager" too
 CASES_2 = ([(name, "eager", torch.float32) for name in COMPILED_PATHS]
            + [("clip exchange", "aot_eager", torch.float32), ("siglip gather", "aot_eager", torch.float32),
