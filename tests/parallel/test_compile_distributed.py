@@ -1,14 +1,15 @@
 """The distributed losses under torch.compile, and validate="on_change" (docs/distributed.md,
 "Compiling and host syncs"), on real gloo groups:
 
-- no graph break (torch._dynamo.explain) and a fullgraph=True compile that gives eager's loss and
-  gradients (fp32 within 1e-5, fp64 within 1e-12), on every rank, on 2 and 3 ranks;
+- no graph break (a fullgraph=True compile raises at the first one; benchmarks/compile_counts.py
+  counts them with torch._dynamo.explain), and the compiled loss and gradients are eager's (fp32
+  within 1e-5, fp64 within 1e-12), on every rank, on 2 and 3 ranks (one compile per case);
 - host reads per steady-state call (clipshard.diagnostics.host_reads), default and on_change;
 - a bad input or a lone change on one rank raises on every rank, eager and compiled, and the group
   stays usable.
 
 Compiling is slow on a small CPU: the paths run with the "eager" backend (dynamo's graph capture and
-autograd; what makes the breaks), a few with "aot_eager" and one with "inductor".
+autograd; what makes the breaks), a few with "aot_eager" (fp64 among them) and one with "inductor".
 """
 import os
 import sys
@@ -63,11 +64,13 @@ def _compile_rank(rank, world, cases):
         call, inputs = path_inputs(name, rank, world, dtype=dtype)
         eager = _step(call, inputs)
         torch._dynamo.reset()
-        breaks = torch._dynamo.explain(call)(*inputs).graph_break_count
-        torch._dynamo.reset()
         compiled = torch.compile(call, fullgraph=True, backend=backend)
-        first, second = _step(compiled, inputs), _step(compiled, inputs)  # the second call is steady
-        out[(name, backend, str(dtype))] = (breaks, _difference(eager, first), _difference(eager, second))
+        try:
+            first, second = _step(compiled, inputs), _step(compiled, inputs)  # the second call is steady
+        except torch._dynamo.exc.Unsupported as error:  # a graph break (the same on every rank)
+            out[(name, backend, str(dtype))] = (str(error).splitlines()[0], None, None)
+            continue
+        out[(name, backend, str(dtype))] = (None, _difference(eager, first), _difference(eager, second))
     return out
 
 
@@ -79,15 +82,15 @@ def compiled_2():
 @pytest.mark.parametrize("name,backend,dtype", CASES_2)
 def test_no_graph_break_and_compiled_equals_eager_on_2_ranks(compiled_2, name, backend, dtype):
     for rank, results in enumerate(compiled_2):
-        breaks, first, second = results[(name, backend, str(dtype))]
-        assert breaks == 0, (rank, breaks)
+        graph_break, first, second = results[(name, backend, str(dtype))]
+        assert graph_break is None, (rank, graph_break)
         assert first <= TOLERANCE[dtype] and second <= TOLERANCE[dtype], (rank, first, second)
 
 
 def test_no_graph_break_and_compiled_equals_eager_on_3_ranks():
     for rank, results in enumerate(run_group(_compile_rank, 3, CASES_3, timeout=600)):
-        for case, (breaks, first, second) in results.items():
-            assert breaks == 0 and max(first, second) <= 1e-5, (rank, case, breaks, first, second)
+        for case, (graph_break, first, second) in results.items():
+            assert graph_break is None and max(first, second) <= 1e-5, (rank, case, graph_break, first, second)
 
 
 STEADY_PATHS = ("clip exchange", "clip exchange global", "clip local nograd", "clip ring", "clip exchange:negatives",
