@@ -66,7 +66,8 @@ def path_inputs(name, rank, world, validate=None, dtype=torch.float32):
             extras = dict(hard_negatives=_features(rank, 1 + rank, seed=1, dtype=dtype)[0])
         return (lambda i, t, s, b: loss(i, t, s, b, **extras)), (image, text, scale, bias)
     mode, local_loss = {"distill exchange": ("exchange", True), "distill ring": ("ring", True),
-                        "distill local global": ("local", False)}[family]
+                        "distill local global": ("local", False), "distill exchange global": ("exchange", False),
+                        "distill ring global": ("ring", False)}[family]
     teacher_image, teacher_text = _features(rank, rows, seed=2, dtype=dtype)
     loss = clipshard.DistillClipLoss(local_loss, True, rank=rank, world_size=world, mode=mode, **opts)
     teacher = (teacher_image.detach(), teacher_text.detach(), torch.tensor(20.0, dtype=dtype))
@@ -76,9 +77,10 @@ def path_inputs(name, rank, world, validate=None, dtype=torch.float32):
 PATHS = ("clip exchange", "clip exchange global", "clip exchange global nograd", "clip local", "clip local nograd",
          "clip local global", "clip local global nograd", "clip ring", "clip ring global", "clip ring global nograd",
          "clip exchange:ids-mask", "clip exchange:ids-multi", "clip exchange:negatives", "clip exchange:image_to_text",
-         "clip ring:ids-multi", "clip ring:negatives", "clip exchange:unequal", "clip ring:unequal",
+         "clip ring:ids-mask", "clip ring:ids-multi", "clip ring global:ids-multi",
+         "clip ring:negatives", "clip exchange:unequal", "clip ring:unequal",
          "siglip gather", "siglip ring", "siglip gather:ids-multi", "siglip ring:negatives", "siglip ring:unequal",
-         "distill exchange", "distill ring", "distill local global")
+         "distill exchange", "distill ring", "distill local global", "distill exchange global", "distill ring global")
 
 
 def _step(call, inputs):

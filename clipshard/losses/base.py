@@ -329,7 +329,10 @@ def _validated_on_host(fn, group, fields, values, reported, checks, validate):
     """The metadata exchange and every check of its table on the host; the ShardLayout. checks:
     (same_scale_and_bias, has_bias, has_negatives)."""
     same_scale_and_bias, has_bias, has_negatives = checks
-    table, values = exchange_rows(fn, group, fields, values, reported)
+    steady_ranks = None
+    if validate == "on_change":
+        steady_ranks = lambda rows: steady_state.some_rank_kept(fn, group, rows)  # noqa: E731
+    table, values = exchange_rows(fn, group, fields, values, reported, steady_ranks)
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
     column = {name: [row[k] for row in table] for k, name in enumerate(FIELDS)}
     for q, (given_rank, given_size) in enumerate(zip(column["rank_arg"], column["world_size_arg"])):

@@ -206,7 +206,8 @@ class DistillClipLoss(torch.nn.Module):
                                                   self.gather_with_grad, self.algorithm)
         else:
             losses = distill_exchange.global_losses(teachers, image_features, text_features, scale, layout,
-                                                    self.mode, self.gather_with_grad, self.algorithm)
+                                                    self.mode, self.gather_with_grad, self.algorithm,
+                                                    sync_free=self.validate == "on_change")
         contrastive, distill = losses.unbind()
         if output_dict:
             return {"contrastive_loss": contrastive, "distill_loss": distill}

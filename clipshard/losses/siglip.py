@@ -68,14 +68,14 @@ def _loss(fn, image, text, scale, bias, group, rank_arg=None, world_size_arg=Non
     layout = base.shard_layout(fn, image, text, scale, bias, group, base.Options("the SigLIP loss", mode),
                                rank_arg=rank_arg, world_size_arg=world_size_arg, extras=extras, validate=validate)
     if extras.sample_ids is not None or extras.hard_negatives is not None:
-        return _loss_with_extras(image, text, scale, bias, layout, algorithm, mode, extras)
+        return _loss_with_extras(image, text, scale, bias, layout, algorithm, mode, extras, validate)
     if mode == "ring" and layout.world_size > 1:
-        return siglip_ring_loss(image, text, scale, bias, layout, algorithm)
+        return siglip_ring_loss(image, text, scale, bias, layout, algorithm, sync_free=validate == "on_change")
     all_text = collectives.gather_rows(text, layout)
     return siglip_sum(image, all_text, scale, bias, pos_offset=layout.offset, algorithm=algorithm) / layout.local_size
 
 
-def _loss_with_extras(image, text, scale, bias, layout, algorithm, mode, extras):
+def _loss_with_extras(image, text, scale, bias, layout, algorithm, mode, extras, validate):
     """The loss with sample ids and / or hard negatives. A group without any hard negative (every
     H_r = 0) computes the loss without them: hard_negatives then gets no gradient."""
     ids, targets = extras.sample_ids, extras.resolved_targets
@@ -84,7 +84,7 @@ def _loss_with_extras(image, text, scale, bias, layout, algorithm, mode, extras)
         negatives = None
     if mode == "ring" and layout.world_size > 1:
         return siglip_ring_loss(image, text, scale, bias, layout, algorithm, sample_ids=ids, targets=targets,
-                                hard_negatives=negatives)
+                                hard_negatives=negatives, sync_free=validate == "on_change")
     all_text = collectives.gather_rows(text, layout)
     kwargs = {}
     if ids is not None:

@@ -73,7 +73,7 @@ class FeaturePair:
             got = (f"{tuple(first.shape)} and {tuple(second.shape)}" if self.same_shape
                    else f"{first.shape[1]} and {second.shape[1]}")
             return Problem(ValueError, self._size, got)
-        if first.layout != torch.strided or second.layout != torch.strided:
+        if not (is_dense(first) and is_dense(second)):
             return Problem(ValueError, self._dense, f"{first.layout} and {second.layout}")
         if first.dtype not in SUPPORTED_DTYPES:
             return Problem(TypeError, self._supported, f"{first.dtype}")
@@ -182,10 +182,17 @@ def _describe(t):
     return f"a {t.dim()}-D {str(t.dtype).removeprefix('torch.')} tensor of shape {tuple(t.shape)} on {t.device}"
 
 
+def is_dense(t):
+    """Whether tensor t is strided (dense). Under torch.compile always: dynamo refuses sparse tensors
+    when it wraps them, and refuses reading `.layout` while it traces a backward (a ring backward
+    calls the checked ops)."""
+    return torch.compiler.is_compiling() or t.layout == torch.strided
+
+
 def is_id_vector(ids, length, device):
     """Whether `ids` is a sample-id vector: a 1-D strided int64 tensor of `length` ids on `device`."""
     return (isinstance(ids, torch.Tensor) and ids.dim() == 1 and ids.dtype == torch.int64 and ids.shape[0] == length
-            and ids.device == device and ids.layout == torch.strided)
+            and ids.device == device and is_dense(ids))
 
 
 def check_ids(fn, name, ids, length, device):
@@ -230,5 +237,5 @@ def check_extra_cols(fn, extra_cols, cols):
     if extra_cols.dtype != cols.dtype:
         raise TypeError(f"{fn}: {expected}: same dtype, got {_describe(extra_cols)}")
     if (extra_cols.dim() != 2 or extra_cols.shape[1] != cols.shape[1] or extra_cols.device != cols.device
-            or extra_cols.layout != torch.strided):
+            or not is_dense(extra_cols)):
         raise ValueError(f"{fn}: {expected}, got {_describe(extra_cols)}")

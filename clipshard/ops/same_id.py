@@ -120,6 +120,8 @@ def other_same_id_logit_sums(rows, cols, scale, bias, row_ids, col_ids, pos_offs
     s = check_logit_scalar(fn, "scale", scale, rows).to(acc)
     b = None if bias is None else check_logit_scalar(fn, "bias", bias, rows).to(acc)
     r, c = rows.to(acc), cols.to(acc)
+    if col_ids is row_ids:  # (dynamo refuses one tensor as two inputs of an autograd.Function)
+        col_ids = col_ids.view_as(col_ids)
     col_totals = _SumsById.apply(c, col_ids, row_ids)  # per row: the columns with its id
     own_row, own_col = _own_pairs(row_ids, col_ids, pos_offset, k)
     # leave the own pair out: its column (row) is subtracted from the group's sum, exactly zero for a
@@ -151,3 +153,46 @@ def mean_positive(own_logit, other_sum, other_count):
         return (own_logit + other_sum) / (1.0 + other_count)
     mean = other_sum / other_count.clamp(min=1.0)
     return torch.where(other_count > 0, mean, torch.full_like(mean, float("nan")))
+
+
+
+def _other_group_sums(values, ids, query_ids, own, own_values):
+    """For every query [Q]: the sum of the values (N x W) with its id, its own pair's (own_values,
+    Q x W, where `own`; None: no own pairs) left out."""
+    sums = _sums_by_id(values, ids, query_ids)
+    return sums if own_values is None else sums - torch.where(own.unsqueeze(1), own_values, 0.0)
+
+
+def other_same_id_logit_sums_backward(rows, cols, scale, bias, row_ids, col_ids, pos_offset, g_row_sum, g_col_sum):
+    """The gradients (d rows, d cols, d scale, d bias or None) of sum_i g_row_sum_i row_sum_i +
+    sum_j g_col_sum_j col_sum_j (other_same_id_logit_sums' outputs, for arguments it has checked), in
+    the accumulation dtype, without autograd (a ring backward calls it under torch.compile). Row i
+    and column j are an "other pair" of each other (same id, not the own pair) both ways, so with
+    g = g_row_sum, h = g_col_sum
+
+        d rows_i = scale * (g_i * (sum of i's other columns) + sum of h_j cols_j over them),
+        d cols_j = scale * (h_j * (sum of j's other rows) + sum of g_i rows_i over them),
+        d scale  = sum_i g_i rows_i . (i's other columns) + sum_j h_j cols_j . (j's other rows),
+        d bias   = sum_i g_i row_count_i + sum_j h_j col_count_j."""
+    m, k = rows.shape[0], cols.shape[0]
+    acc = accumulate_dtype(rows.dtype)
+    r, c, g, h = rows.to(acc), cols.to(acc), g_row_sum.to(acc).unsqueeze(1), g_col_sum.to(acc).unsqueeze(1)
+    own_row, own_col = _own_pairs(row_ids, col_ids, pos_offset, k)
+    if pos_offset is None:
+        at_rows = at_cols = lambda x: None  # noqa: E731
+    else:  # the own pairs' values from the other side: a slice of the columns, the rows padded
+        at_rows = lambda x: x[pos_offset:pos_offset + m]  # noqa: E731
+        at_cols = lambda x: F.pad(x, (0, 0, pos_offset, k - m - pos_offset))  # noqa: E731
+    row_group = _other_group_sums(c, col_ids, row_ids, own_row, at_rows(c))
+    col_group = _other_group_sums(r, row_ids, col_ids, own_col, at_cols(r))
+    weighted_rows, weighted_cols = g * r, h * c
+    s = scale.to(acc)
+    d_rows = s * (g * row_group + _other_group_sums(weighted_cols, col_ids, row_ids, own_row, at_rows(weighted_cols)))
+    d_cols = s * (h * col_group + _other_group_sums(weighted_rows, row_ids, col_ids, own_col, at_cols(weighted_rows)))
+    d_scale = (weighted_rows * row_group).sum() + (weighted_cols * col_group).sum()
+    d_bias = None
+    if bias is not None:
+        row_count = _counts_by_id(col_ids, row_ids, acc) - own_row.to(acc)
+        col_count = _counts_by_id(row_ids, col_ids, acc) - own_col.to(acc)
+        d_bias = (g.squeeze(1) * row_count).sum() + (h.squeeze(1) * col_count).sum()
+    return d_rows, d_cols, d_scale, d_bias

@@ -20,7 +20,7 @@ from clipshard.parallel.layout import metadata_device
 _NAN_BITS = struct.unpack("<q", struct.pack("<d", math.nan))[0]
 
 
-def exchange_rows(fn, group, fields, values, problem=None):
+def exchange_rows(fn, group, fields, values, problem=None, steady_ranks=None):
     """Every rank's (fields, values), in rank order, after raising on every rank if any rank has a
     problem.
 
@@ -28,6 +28,9 @@ def exchange_rows(fn, group, fields, values, problem=None):
     every rank (a rank with a problem still sends placeholders). problem: None or (exception
     class, code >= 1, message): the rank that has it raises `message`, the others a ValueError
     naming that rank and carrying the same message (what that rank expected and what it got).
+    steady_ranks: None, or a function of the table's rows ([code, *fields] per rank) that says
+    whether some ranks made a steady call (validate="on_change", steady_state.py): they check on the
+    device and take part in no broadcast, so the bad rank's message is then not sent.
     Returns (list of field lists, list of value lists as Python floats).
     """
     code = 0 if problem is None else problem[1]
@@ -47,21 +50,27 @@ def exchange_rows(fn, group, fields, values, problem=None):
     all_gather_single(everyone, mine, group=group)
     everyone = everyone.view(world_size, -1).cpu()  # one copy to the host
     table = everyone[:, : 1 + len(fields)].tolist()
-    _raise_first(fn, group, device, [row[0] for row in table], rank, problem)
+    quiet = steady_ranks is not None and steady_ranks(table)
+    _raise_first(fn, group, device, [row[0] for row in table], rank, problem, send_message=not quiet)
     floats = everyone[:, 1 + len(fields):].contiguous().view(torch.float64).tolist()
     return [row[1:] for row in table], floats
 
 
-def _raise_first(fn, group, device, codes, rank, problem):
+def _raise_first(fn, group, device, codes, rank, problem, send_message=True):
     """Raises on every rank if a rank has a problem: the first such rank its own error, the others
-    a ValueError naming that rank and quoting its message (one broadcast, only when a rank has one)."""
+    a ValueError naming that rank and quoting its message (one broadcast, only when a rank has one
+    and send_message)."""
     bad = next((q for q, code in enumerate(codes) if code), None)
     if bad is None:
         return
-    message = _broadcast_message(group, device, bad, problem[2] if bad == rank else "")
     if bad == rank:
+        if send_message:
+            _broadcast_message(group, device, bad, problem[2])
         raise problem[0](f"{fn}: {problem[2]} (on rank {bad})")
-    raise ValueError(f"{fn}: rank {bad} has invalid inputs: {message}")
+    if not send_message:
+        raise ValueError(f"{fn}: rank {bad} has invalid inputs (its own error says which; with validate='on_change' "
+                         "it is not sent while other ranks check on the device)")
+    raise ValueError(f"{fn}: rank {bad} has invalid inputs: {_broadcast_message(group, device, bad, '')}")
 
 
 _MESSAGE_BYTES = 4096  # a longer message arrives cut, ending in "..."

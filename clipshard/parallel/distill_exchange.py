@@ -24,6 +24,7 @@ import torch
 
 from clipshard.parallel import collectives as cdist
 from clipshard.ops.distill_lse import distill_lse
+from clipshard.parallel.distill_two_pass import global_losses_two_passes
 from clipshard.parallel.distill_ring import partial_terms, ring_partials, weighted_rows
 
 
@@ -80,8 +81,10 @@ def rank_losses(teachers, image, text, scale, layout, mode, gather_with_grad, al
     return partials / (2 * layout.local_size)
 
 
-def global_losses(teachers, image, text, scale, layout, mode, gather_with_grad, algorithm="auto"):
-    """open_clip's local_loss=False (contrastive, distill), the same values on every rank."""
+def global_losses(teachers, image, text, scale, layout, mode, gather_with_grad, algorithm="auto", sync_free=False):
+    """open_clip's local_loss=False (contrastive, distill), the same values on every rank. sync_free
+    (validate="on_change", and always under torch.compile): without a host read, two passes
+    (distill_two_pass.py)."""
     leaves, stack = teachers  # T teacher images, T teacher texts, T teacher scales
     n_teacher_features = 2 * (len(leaves) // 3)
     partial = _PARTIALS[mode]
@@ -90,8 +93,10 @@ def global_losses(teachers, image, text, scale, layout, mode, gather_with_grad, 
         teacher_features, (scale, *teacher_scales) = rest[:n_teacher_features], rest[n_teacher_features:]
         return partial(image, text, scale, stack(*teacher_features, *teacher_scales), layout, algorithm=algorithm)
 
-    return _GlobalLosses.apply(partials, layout, gather_with_grad, 2 + n_teacher_features, image, text,
-                               *leaves[:n_teacher_features], scale, *leaves[n_teacher_features:])
+    inputs = (image, text, *leaves[:n_teacher_features], scale, *leaves[n_teacher_features:])
+    if sync_free or torch.compiler.is_compiling():
+        return global_losses_two_passes(partials, layout, gather_with_grad, 2 + n_teacher_features, inputs)
+    return _GlobalLosses.apply(partials, layout, gather_with_grad, 2 + n_teacher_features, *inputs)
 
 
 class _GlobalLosses(torch.autograd.Function):

@@ -154,76 +154,70 @@ def global_loss(image, text, scale, bias, layout, mode, gather_with_grad, algori
                                                             after DDP's averaging, kept on purpose)
                    (the hard negatives H_r likewise)
         logit_scale, logit_bias:  g_r * dL/ds, g_r * dL/db.
-    Here each rank computes only P_r, in the ordinary autograd graph between two Functions: the
-    backward of _SumOfPartials hands P_r the *unit* gradient 1/(2NM) (the gathers' reduce-scatter
-    and the column-LSE all-reduce complete dL/d(own features)) and records g_r (and G); the backward
-    of _OpenClipWeights, which autograd runs after it, scales the features' unit gradients by G (or
-    g_r) and all-reduces dP_r/ds, dP_r/db into dL/ds, dL/db times g_r. No graph is kept outside
-    autograd's, so retain_graph and a second backward behave as autograd's own.
+    Here each rank computes only P_r, in the ordinary autograd graph between two Functions that share
+    nothing but autograd's edges (so that torch.compile traces them): _SumOfPartials's backward hands
+    P_r the *unit* gradient 1/(2NM) (the gathers' reduce-scatter and the column-LSE all-reduce
+    complete dL/d(own features)); _OpenClipWeights, the identity on the inputs, also returns a zero
+    *probe* that is added to the loss (the value is unchanged), so that its backward receives g_r as
+    the probe's gradient. It scales the features' unit gradients by G (or g_r) and all-reduces
+    dP_r/ds, dP_r/db into dL/ds, dL/db times g_r. retain_graph and a second backward behave as
+    autograd's own.
     """
-    upstream = _Upstream()
     if pairs.plain:
-        image, text, scale, bias = _OpenClipWeights.apply(upstream, layout, image, text, scale, bias)
+        image, text, scale, bias, probe = _OpenClipWeights.apply(layout, gather_with_grad, image, text, scale, bias)
         partial = _PARTIALS[mode](image, text, scale, bias, layout, algorithm=algorithm)
-        return _SumOfPartials.apply(partial, upstream, layout, gather_with_grad, 2)
-    image, text, scale, bias, negatives = _OpenClipWeights.apply(upstream, layout, image, text, scale, bias,
-                                                                 pairs.hard_negatives)
+        return _SumOfPartials.apply(partial, layout, 2) + probe.to(partial.dtype)
+    image, text, scale, bias, probe, negatives = _OpenClipWeights.apply(layout, gather_with_grad, image, text, scale,
+                                                                        bias, pairs.hard_negatives)
     pairs = PairTargets(pairs.sample_ids, pairs.targets, negatives, pairs.direction)
     partial = _PARTIALS[mode](image, text, scale, bias, layout, algorithm=algorithm, pairs=pairs)
-    return _SumOfPartials.apply(partial, upstream, layout, gather_with_grad, pairs.terms)
-
-
-class _Upstream:
-    """What _SumOfPartials.backward learns for _OpenClipWeights.backward: this rank's upstream
-    gradient g_r and the weight of the feature gradients (G or g_r), fp64 0-dim tensors."""
-    own = None
-    feature_weight = None
+    return _SumOfPartials.apply(partial, layout, pairs.terms) + probe.to(partial.dtype)
 
 
 class _SumOfPartials(torch.autograd.Function):
-    """L = sum_r P_r / (2NM) (one all-reduce); backward: the unit gradient to P_r, g_r (and G) to
-    the _Upstream shared with _OpenClipWeights."""
+    """L = sum_r P_r / (2NM) (one all-reduce); backward: the unit gradient 1/(2NM) to P_r (the
+    upstream gradient reaches _OpenClipWeights through its probe)."""
 
     @staticmethod
-    def forward(ctx, partial, upstream, layout, gather_with_grad, terms):
-        ctx.upstream, ctx.layout, ctx.gather_with_grad = upstream, layout, gather_with_grad
+    def forward(ctx, partial, layout, terms):
         ctx.divisor = terms * layout.total  # 2NM, or NM for the rows' terms alone
         # Nothing here needs it, but a freed saved tensor makes a second backward without
         # retain_graph raise torch's own error here, on every rank, before any collective.
         ctx.save_for_backward(partial)
-        return cdist.all_reduce_sum(partial, ctx.layout) / ctx.divisor
+        return cdist.all_reduce_sum(partial, layout) / ctx.divisor
 
     @staticmethod
     def backward(ctx, grad):
         partial, = ctx.saved_tensors
-        own = grad.detach().double()
-        ctx.upstream.own = own
-        ctx.upstream.feature_weight = cdist.all_reduce_sum(own, ctx.layout) if ctx.gather_with_grad else own
-        return partial.new_tensor(1.0 / ctx.divisor), None, None, None, None
+        return partial.new_tensor(1.0 / ctx.divisor), None, None
 
 
 class _OpenClipWeights(torch.autograd.Function):
-    """The identity on (image, text, scale, bias[, hard negatives]); backward: open_clip's weights
-    (global_loss) on the unit gradients that reach them."""
+    """The identity on (image, text, scale, bias[, hard negatives]), plus a zero fp64 probe that
+    global_loss adds to the loss; backward: open_clip's weights (global_loss) on the unit gradients
+    that reach the inputs, from g_r, the probe's gradient."""
 
     @staticmethod
-    def forward(ctx, upstream, layout, image, text, scale, bias, *negatives):
-        ctx.upstream, ctx.layout = upstream, layout
-        return tuple(None if t is None else t.view_as(t) for t in (image, text, scale, bias, *negatives))
+    def forward(ctx, layout, gather_with_grad, image, text, scale, bias, *negatives):
+        ctx.layout, ctx.gather_with_grad = layout, gather_with_grad
+        probe = image.new_zeros((), dtype=torch.float64)
+        same = tuple(None if t is None else t.view_as(t) for t in (image, text, scale, bias))
+        return same + (probe,) + tuple(None if t is None else t.view_as(t) for t in negatives)
 
     @staticmethod
-    def backward(ctx, g_image, g_text, g_scale, g_bias, *g_negatives):
-        upstream = ctx.upstream
-        out = [None, None, _weighted(g_image, upstream.feature_weight), _weighted(g_text, upstream.feature_weight)]
+    def backward(ctx, g_image, g_text, g_scale, g_bias, g_probe, *g_negatives):
+        own = g_probe.detach().double()
+        feature_weight = cdist.all_reduce_sum(own, ctx.layout) if ctx.gather_with_grad else own
+        out = [None, None, _weighted(g_image, feature_weight), _weighted(g_text, feature_weight)]
         if ctx.needs_input_grad[4] or ctx.needs_input_grad[5]:  # the same on every rank (the losses' shard_layout)
-            zero = upstream.own.new_zeros(())
+            zero = own.new_zeros(())
             units = torch.stack([zero if g is None else g.double().reshape(()) for g in (g_scale, g_bias)])
             sums = cdist.all_reduce_sum(units, ctx.layout)
             for k, g in enumerate((g_scale, g_bias)):
-                out.append(None if g is None else (upstream.own * sums[k]).to(g.dtype).reshape(g.shape))
+                out.append(None if g is None else (own * sums[k]).to(g.dtype).reshape(g.shape))
         else:
             out += [None, None]
-        return tuple(out) + tuple(_weighted(g, upstream.feature_weight) for g in g_negatives)
+        return tuple(out) + tuple(_weighted(g, feature_weight) for g in g_negatives)
 
 
 def _weighted(g, weight):

@@ -39,7 +39,7 @@ import torch
 from clipshard.parallel._ring_pass import Ring, Travelling, blocks
 from clipshard.ops.contrastive_lse import contrastive_lse, contrastive_lse_backward
 from clipshard.ops.inputs import accumulate_dtype
-from clipshard.ops.same_id import mean_positive, other_same_id_logit_sums
+from clipshard.ops.same_id import mean_positive, other_same_id_logit_sums, other_same_id_logit_sums_backward
 from clipshard.parallel.collectives import gather_negatives
 
 
@@ -141,8 +141,8 @@ class _RingSameIdSums(torch.autograd.Function):
     """Targets "multi": (sum of S_ij over the columns j of every rank with id a_i, for this rank's
     rows i, the own pair left out; their count; sum over the rows of every rank with id c_j, for
     this rank's columns j, likewise; their count), from one pass of other_same_id_logit_sums per
-    block. The counts carry no gradient. Backward: a second pass, each block's gradients by autograd
-    through other_same_id_logit_sums."""
+    block. The counts carry no gradient. Backward: a second pass, each block's gradients by
+    other_same_id_logit_sums_backward (no autograd inside the backward, which dynamo would not trace)."""
 
     @staticmethod
     def forward(ctx, image, text, scale, bias, ids, layout):
@@ -166,23 +166,18 @@ class _RingSameIdSums(torch.autograd.Function):
         acc = accumulate_dtype(image.dtype)  # fp32 accumulation for 16-bit features
         g_row_sum = image.new_zeros(image.shape[0], dtype=acc) if g_row_sum is None else g_row_sum.to(acc)
         g_col_sum = image.new_zeros(text.shape[0], dtype=acc) if g_col_sum is None else g_col_sum.to(acc)
-        image_leaf, scale_leaf = image.detach().requires_grad_(), scale.detach().requires_grad_()
-        bias_leaf = None if bias is None else bias.detach().requires_grad_()
         d_image = torch.zeros(image.shape, dtype=acc, device=image.device)
         d_scale = torch.zeros((), dtype=torch.float64, device=image.device)
         d_bias = torch.zeros((), dtype=torch.float64, device=image.device)
         d_text = Travelling(ring, lambda total, part: part.to(acc) if total is None else total.add_(part))
         for step, block, (block_ids, g_block) in blocks(ring, text, (ids, g_col_sum.contiguous())):
-            block_leaf = block.detach().requires_grad_()
-            leaves = [image_leaf, block_leaf, scale_leaf] + ([bias_leaf] if bias is not None else [])
-            with torch.enable_grad():
-                rs, _, cs, _ = _other_sums(image_leaf, block_leaf, scale_leaf, bias_leaf, ids, block_ids, step)
-                grads = torch.autograd.grad((rs * g_row_sum).sum() + (cs * g_block).sum(), leaves)
-            d_image += grads[0]
-            d_scale += grads[2].double()
+            di, dt, ds, db = other_same_id_logit_sums_backward(image, block, scale, bias, ids, block_ids,
+                                                               0 if step == 0 else None, g_row_sum, g_block)
+            d_image += di
+            d_scale += ds.double()
             if bias is not None:
-                d_bias += grads[3].double()
-            d_text.fold(step, grads[1])
+                d_bias += db.double()
+            d_text.fold(step, dt)
         out = (d_image.to(image.dtype), d_text.result().to(text.dtype), d_scale.to(scale.dtype).reshape(scale.shape),
                None if bias is None else d_bias.to(bias.dtype).reshape(bias.shape))
         return tuple(g if need else None for g, need in zip(out, ctx.needs_input_grad[:4])) + (None, None)

@@ -143,8 +143,8 @@ class _SigLipRingMean(torch.autograd.Function):
         image, text, scale, bias, negatives, ids = ctx.saved_tensors
         layout, unit = ctx.layout, ctx.unit_grads
         ctx.unit_grads = None
-        # (under torch.compile the question would be a host read: the second pass always runs)
-        if unit is not None and not torch.compiler.is_compiling() and same_on_every_rank(grad, layout):
+        # (sync-free or under torch.compile the forward made no unit pass: the question would be a host read)
+        if unit is not None and same_on_every_rank(grad, layout):
             # every rank weighs its loss alike: the forward's travelling text gradients are right
             factor, grads = grad, unit
         else:  # a second pass, with this rank's own weight on every block of its row
@@ -165,15 +165,17 @@ class _SigLipRingMean(torch.autograd.Function):
 
 
 def siglip_ring_loss(image, text, scale, bias, layout, algorithm="auto", *, sample_ids=None, targets=None,
-                     hard_negatives=None):
+                     hard_negatives=None, sync_free=False):
     """This rank's SigLIP loss sum_{i < M_r, all j} softplus(-z_ij l_ij) / M_r (scale and bias 0-dim
     tensors, bias may be None), with the gathered implementation's value and gradients; no
     all-gather. sample_ids (this rank's, with targets "multi" or "mask") label the same-id pairs;
     hard_negatives (this rank's H_r x D, layout.negative_sizes every rank's H_q; None when no rank has
-    any) are -1 columns for every image."""
+    any) are -1 columns for every image. sync_free (validate="on_change"): no host read, the
+    backward always makes its own pass (the forward is loss-only), as under torch.compile."""
     inputs = (image, text, scale) + tuple(t for t in (bias, hard_negatives) if t is not None)
-    # under torch.compile the backward makes its own pass (see _SigLipRingMean.backward): the forward is loss-only
+    # sync-free and under torch.compile the backward makes its own pass (see _SigLipRingMean.backward): the
+    # forward is loss-only
     with_grad = (torch.is_grad_enabled() and any(t.requires_grad for t in inputs)
-                 and not torch.compiler.is_compiling())
+                 and not sync_free and not torch.compiler.is_compiling())
     return _SigLipRingMean.apply(image, text, scale, bias, hard_negatives, sample_ids, layout, algorithm,
                                  targets == "mask", with_grad)

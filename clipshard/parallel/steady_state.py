@@ -66,6 +66,13 @@ def known_result(fn, group, key, slot=""):
     return None if known is None or known.keys[dist.get_rank(group)] != tuple(key) else known.result
 
 
+def some_rank_kept(fn, group, rows, slot=""):
+    """Whether some rank's row ([code, *fields]) is the one it had at the last validation in this
+    slot: that rank made a steady call (a host-validating rank then knows it is not listening)."""
+    known = _VALIDATED.get(_slot(fn, group, slot))
+    return known is not None and any(tuple(row) == key for row, key in zip(rows, known.keys))
+
+
 def known_keys(fn, group, slot=""):
     """(every rank's validated row, the metadata device's name) of a slot."""
     known = _VALIDATED[_slot(fn, group, slot)]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from clipshard.ops.contrastive_lse import contrastive_lse, contrastive_lse_backward
-from clipshard.ops.same_id import other_same_id_logit_sums
+from clipshard.ops.same_id import other_same_id_logit_sums, other_same_id_logit_sums_backward
 from clipshard.ops.siglip_sum import siglip_block, siglip_sum
 from tests.references.similarity import similarity_reference
 from tests.references.targets import contrastive_block_terms, siglip_block_sum
@@ -205,7 +205,14 @@ def test_other_same_id_logit_sums(case, dtype):
     assert_all_close(got, ref, TOL[dtype], ("row_sum", "row_count", "col_sum", "col_count"), case)
     weights = [upstream(n, m, seed) for n, seed in ((m, 1), (k, 2))]
     objective = lambda out: (weights[0] * out[0].double()).sum() - (weights[1] * out[2].double()).sum()  # noqa: E731
-    assert_all_close(grads_of(objective(got), got_leaves), grads_of(objective(ref), ref_leaves), TOL[dtype],
+    ref_grads = grads_of(objective(ref), ref_leaves)
+    assert_all_close(grads_of(objective(got), got_leaves), ref_grads, TOL[dtype],
+                     ("d rows", "d cols", "d scale", "d bias"), case)
+    # the closed form that ring mode's backward uses (no autograd), the same gradients
+    closed = other_same_id_logit_sums_backward(rows, cols, s, b, row_ids, col_ids, pos, weights[0].to(acc),
+                                               -weights[1].to(acc))
+    assert all(t is None or t.dtype == acc for t in closed) and (closed[3] is None) == (b is None)
+    assert_all_close([t for t in closed if t is not None], ref_grads, TOL[dtype],
                      ("d rows", "d cols", "d scale", "d bias"), case)
 
 

@@ -335,3 +335,21 @@ def test_parameters_listed_twice_or_left_out_do_not_change_the_gradients_silentl
     model.text.requires_grad_(False)
     model.logit_scale.requires_grad_(False)
     clipshard.GradCache(model, clipshard.ClipLoss(), 5, parameters=model.image.parameters())(images, tokens).backward()
+
+
+def test_a_compiled_model_gives_the_plain_steps_gradients():
+    """GradCache around torch.compile(model) (issue: the integrations keep working compiled): the
+    plain step's gradients, with dropout (the replayed pass draws the first pass's masks)."""
+    images, tokens = batch(M, 3, torch.float64)
+    results = []
+    for cached in (True, False):
+        torch.manual_seed(7)
+        model = TinyClip(dropout=0.2, dtype=torch.float64)
+        compiled = torch.compile(model, backend="aot_eager")
+        if cached:
+            (clipshard.GradCache(compiled, clipshard.SigLipLoss(), 5)(images, tokens) * (0.5 / M)).backward()
+        else:
+            plain_step(compiled, clipshard.SigLipLoss(), images, tokens, 5, 0.5 / M)
+        results.append(grads(model))
+    assert set(results[0]) == {n for n, _ in TinyClip().named_parameters()}
+    assert max_relative_difference(*results) <= 1e-10

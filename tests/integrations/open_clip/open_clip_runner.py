@@ -7,9 +7,12 @@ stock:     open_clip_train.main.main(args), with only torch's refusal of CPU dev
            call passes device_ids=[cpu]); clipshard is never imported.
 clipshard: `python -m clipshard.open_clip_train args`, run with runpy as python -m runs it.
 $OPEN_CLIP_TEST_MODEL_CONFIGS: the folder of the test's model config, registered with open_clip.
+$OPEN_CLIP_TEST_COMPILE_BACKEND (optional): the backend of open_clip_train's --torchcompile (its
+torch.compile(model) call takes none; inductor's code generation is slow on a small CPU).
 Each rank writes RECORD_DIR/rank<r>.jsonl: the class create_loss built, then one line per forward
 with the loss values at full precision, then whether clipshard was imported.
 """
+import functools
 import json
 import os
 import runpy
@@ -48,6 +51,8 @@ def main():
     path = os.path.join(record_dir, f"rank{os.environ.get('RANK', '0')}.jsonl")
     open_clip.create_loss = _recording(open_clip.create_loss, path)  # before open_clip_train imports it
     open_clip.add_model_config(os.environ["OPEN_CLIP_TEST_MODEL_CONFIGS"])  # the test's tiny_clip
+    if os.environ.get("OPEN_CLIP_TEST_COMPILE_BACKEND"):
+        torch.compile = functools.partial(torch.compile, backend=os.environ["OPEN_CLIP_TEST_COMPILE_BACKEND"])
     if which == "stock":
         torch.nn.parallel.DistributedDataParallel = _CpuDDP
         from open_clip_train.main import main as train_main

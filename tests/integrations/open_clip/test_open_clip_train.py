@@ -100,7 +100,7 @@ def test_accum_freq_below_one_is_refused_naming_the_option(value):
         clipshard_train_main(["--accum-freq", value, "--train-data", "x.csv"])
 
 
-def _train(data, workdir, which, name, *extra):
+def _train(data, workdir, which, name, *extra, env=None):
     """Runs open_clip_train through the runner; returns each rank's records. The working directory
     holds ./logs (open_clip_train's --logs cannot be passed through torchrun, which takes it for
     its own --logs-specs)."""
@@ -114,7 +114,7 @@ def _train(data, workdir, which, name, *extra):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(RANKS),
                os.path.join(TESTS, "open_clip_runner.py"), str(record_dir), which, *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OPEN_CLIP_TEST_MODEL_CONFIGS": str(data / "model"),
-           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
+           "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])), **(env or {})}
     for attempt in range(2):
         done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=workdir)
         # A port picked by torchrun can be taken by another job before the ranks bind it: retry once.
@@ -134,9 +134,15 @@ def _max_relative_difference(a, b):
     return max(abs(x - y) / abs(y) for x, y in zip(a, b))
 
 
+@pytest.fixture(scope="module")
+def stock_default(data, tmp_path_factory):
+    """Stock open_clip_train's per-rank records, one epoch with the default loss options."""
+    return _train(data, tmp_path_factory.mktemp("stock_default"), "stock", "stock", "--epochs", "1")[0]
+
+
 @pytest.mark.parametrize("flags", [[], ["--local-loss", "--gather-with-grad"]], ids=["default", "local+gather"])
-def test_fp32_losses_match_stock_open_clip_train(data, tmp_path, flags):
-    stock, _ = _train(data, tmp_path, "stock", "stock", "--epochs", "1", *flags)
+def test_fp32_losses_match_stock_open_clip_train(data, tmp_path, flags, stock_default):
+    stock = stock_default if not flags else _train(data, tmp_path, "stock", "stock", "--epochs", "1", *flags)[0]
     ours, log = _train(data, tmp_path, "clipshard", "clipshard", "--epochs", "1", *flags)
     for rank in range(RANKS):
         assert stock[rank]["loss_class"] == "open_clip.loss.ClipLoss" and not stock[rank]["clipshard_imported"]
@@ -148,6 +154,21 @@ def test_fp32_losses_match_stock_open_clip_train(data, tmp_path, flags):
         assert difference <= 1e-5, (ours[rank]["losses"], stock[rank]["losses"])
     assert "clipshard: create_loss built clipshard.losses.clip.ClipLoss" in log
     assert "left as open_clip's: none" in log
+
+
+def test_torchcompile_losses_match_stock_open_clip_train(data, tmp_path, stock_default):
+    """open_clip_train's --torchcompile (torch.compile(model), here with backend aot_eager: dynamo's
+    graphs and their traced backward, without inductor's slow code generation) with clipshard's loss:
+    stock open_clip_train's eager losses at every step (fp32, 1e-5)."""
+    stock = stock_default
+    ours, log = _train(data, tmp_path, "clipshard", "clipshard", "--epochs", "1", "--torchcompile",
+                       env={"OPEN_CLIP_TEST_COMPILE_BACKEND": "aot_eager"})
+    assert "Compiling model" in log
+    for rank in range(RANKS):
+        assert ours[rank]["loss_class"] == "clipshard.losses.clip.ClipLoss"
+        assert len(ours[rank]["losses"]) == len(stock[rank]["losses"]) == STEPS_PER_EPOCH
+        difference = _max_relative_difference(ours[rank]["losses"], stock[rank]["losses"])
+        assert difference <= 1e-5, (ours[rank]["losses"], stock[rank]["losses"])
 
 
 def write_teacher(root):

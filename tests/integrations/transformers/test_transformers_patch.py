@@ -211,6 +211,24 @@ def test_report_and_loss_from_embeddings_look_through_torch_compile(patch):
     assert torch.equal(transformers_loss.loss_from_embeddings(compiled, image, text), want)
 
 
+def test_a_compiled_patched_model_gives_the_eager_loss_and_gradients(patch):
+    """torch.compile(model) of a patched model (its forward, clipshard's loss inside, traced by
+    dynamo; backend aot_eager: the traced forward and backward, without inductor's codegen): the
+    patched eager model's loss and gradients."""
+    model, inputs = tiny_model("SiglipModel"), tiny_inputs("SiglipModel", 7, seed=5)
+    results = []
+    for run in (model, torch.compile(model, backend="aot_eager")):
+        model.zero_grad(set_to_none=True)
+        out = run(**inputs, return_loss=True)
+        (out.loss * 0.5).backward()
+        results.append((out.loss.detach(), _grads(model)))
+    (eager, eager_grads), (compiled, compiled_grads) = results
+    assert abs(compiled.item() - eager.item()) <= 1e-5 * abs(eager.item())
+    assert compiled_grads.keys() == eager_grads.keys() and "logit_bias" in compiled_grads
+    for param, error in gradient_errors(compiled_grads, eager_grads).items():
+        assert error < 1e-5, (param, error)
+
+
 # ---- versions: every class this release has, no warning on tested releases, newer ones ------------
 
 def test_this_release_patches_every_covered_class_it_has_without_a_warning(recwarn):
