@@ -1,6 +1,5 @@
 """What the beyond-the-diagonal loss tests share: the relative error against an fp64 reference and
 the order in which they return a loss and its gradients."""
-import torch
 
 # (loss, d image, d text, d hard negatives, d logit_scale, d logit_bias)
 GRADIENT_NAMES = ("loss", "image", "text", "hard_negatives", "scale", "bias")

@@ -1,5 +1,4 @@
 """The logits every reference starts from."""
-import torch
 
 
 def similarity_reference(rows, cols, scale, bias=None):
