@@ -21,6 +21,7 @@ import torch
 
 from clipshard.ops import env_vars
 from clipshard.ops.compile_marks import constant_under_compile
+from clipshard.ops.planned_device import planned_device_type, rules_device
 
 ENV_VAR = "CLIPSHARD_ALGORITHM"
 
@@ -76,7 +77,7 @@ def resolve(op, algorithm, device, names, *dtypes):
                            f"{torch.device(device).type!r} tensors, and this build has none; use 'auto' or 'torch'")
     if algorithm != "auto":
         return algorithm
-    return _auto(op, torch.device(device).type, dtypes)
+    return _auto(op, rules_device(device).type, dtypes)
 
 
 def explain_auto(op, device_type, *dtypes):
@@ -85,7 +86,9 @@ def explain_auto(op, device_type, *dtypes):
     if _forced():
         return "torch", f"{ENV_VAR}=torch is set", None
     operator, compiled = _COMPILED[op]
-    if device_type not in compiled or not has_compiled_kernel(operator, device_type):
+    # a memory plan for a device assumes the kernels that the build on that device registers
+    registered = has_compiled_kernel(operator, device_type) or device_type == planned_device_type()
+    if device_type not in compiled or not registered:
         return "torch", f"no compiled clipshard kernel is registered for {device_type!r} tensors", device_type
     supported = _COMPILED_DTYPES.get(device_type)
     refused = [d for d in dtypes if supported is not None and d not in supported]

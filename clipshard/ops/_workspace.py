@@ -10,15 +10,18 @@ algorithm="torch": ROCm, XPU, MPS, ...) are accelerators with GPU-sized GEMMs an
 """
 import torch
 
+from clipshard.ops.planned_device import rules_device
+
 DEFAULT_WORKSPACE_BYTES = {"cuda": 256 << 20, "cpu": 32 << 20}
 _ACCELERATOR_WORKSPACE_BYTES = DEFAULT_WORKSPACE_BYTES["cuda"]
 
 
 def workspace_bytes(fn, device, requested=None):
     """The budget in bytes for a chunked kernel on `device`: `requested` when given (an int >= 1),
-    else the device type's default (an accelerator without an entry gets CUDA's)."""
+    else the device type's default (an accelerator without an entry gets CUDA's; while a memory plan
+    traces, the planned device's: clipshard/ops/planned_device.py)."""
     if requested is None:
-        return DEFAULT_WORKSPACE_BYTES.get(torch.device(device).type, _ACCELERATOR_WORKSPACE_BYTES)
+        return DEFAULT_WORKSPACE_BYTES.get(rules_device(device).type, _ACCELERATOR_WORKSPACE_BYTES)
     if isinstance(requested, bool) or not isinstance(requested, int):
         raise TypeError(f"{fn}: workspace_bytes must be an int (bytes) or None, got {type(requested).__name__}")
     if requested < 1:

@@ -1,0 +1,3 @@
+"""Workspace rules of the distill kernels (clipshard/planning/kernel_workspaces.py). Not written yet."""
+
+RULES = {}
