@@ -14,6 +14,7 @@ from clipshard.parallel import distill_exchange
 from clipshard.parallel import steady_state
 from clipshard.parallel.agreement import exchange_rows, require_same
 from clipshard.parallel.layout import metadata_device
+from clipshard.parallel.planned_layout import tracing_a_plan
 from clipshard.parallel.steady_state import check_validate
 
 
@@ -87,6 +88,8 @@ def _check_teachers_agree(fn, group, images, texts, scales, same_scales, validat
     for t_image, t_text, t_scale in zip(images, texts, scales):
         fields += [t_image.shape[1], base.DTYPE_CODES[t_image.dtype], base.DTYPE_CODES.get(t_scale.dtype, -1),
                    base.requires_grad_bits((t_image, t_text, t_scale))]
+    if tracing_a_plan():  # a memory plan: every rank holds this rank's teachers
+        return
     if torch.compiler.is_compiling():
         key = tuple(len(range(f)) if f >= 0 else f for f in fields)  # sizes static (base._layout_while_compiling)
         ranks, tag = tuple(dist.get_process_group_ranks(group)), c10d._get_group_tag(group)

@@ -78,6 +78,7 @@ def blocks(ring, text, companion=None):
             handle = ring.shift([block, *companions], [next_block, *next_companions], _BLOCK_TAG)
         yield step, block, (companions[0] if companions else None) if single else companions
         received = ring.wait(handle)
+        handle = None  # the block sent is done with: freed before the next buffer is allocated
         if step < n - 1:
             block, companions = received[0], tuple(received[1:])
 
@@ -90,15 +91,26 @@ class Travelling:
 
     def __init__(self, ring, combine):
         self.ring, self.combine = ring, combine
-        self.handle = None
+        self.handle = self.received = None
+
+    def arrive(self):
+        """Waits for the accumulator of the block this rank holds now (step >= 1) and frees the one it
+        sent: called before the work on the block, so that two accumulators, not three, are alive
+        during it (the one that arrived and the buffer of the next); `fold` calls it otherwise."""
+        if self.handle is not None:
+            self.received = self.ring.wait(self.handle)[0]
+            self.handle = None
 
     def fold(self, step, part):
         if step == 0:
             accumulator = self.combine(None, part)
         else:
-            accumulator = self.combine(self.ring.wait(self.handle)[0], part)
+            self.arrive()
+            accumulator, self.received = self.combine(self.received, part), None
         shape = (self.ring.block_size(step + 1),) + tuple(accumulator.shape[1:])
         self.handle = self.ring.shift([accumulator], [accumulator.new_empty(shape)], _TRAVEL_TAG)
 
     def result(self):
-        return self.ring.wait(self.handle)[0]
+        self.arrive()
+        result, self.received = self.received, None
+        return result

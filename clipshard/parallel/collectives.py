@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from clipshard.parallel import traced_collectives as traced
+from clipshard.parallel.planned_layout import tracing_a_plan
 
 # Recent torch versions renamed the single-tensor collectives (deprecating the old names); older
 # versions only have the old names.
@@ -140,7 +141,10 @@ def combine_column_lse(partial, layout):
 def same_on_every_rank(values, layout):
     """Whether every rank holds the same `values` (a small tensor): one all-reduce MAX of
     (values, -values, NaN flags). A NaN is a difference: a MAX reduction drops NaN (every
-    comparison with it is false), so without the flags NaN on one rank would pass for agreement."""
+    comparison with it is false), so without the flags NaN on one rank would pass for agreement.
+    A memory plan (fake tensors, no values) takes the ordinary step's answer: True."""
+    if tracing_a_plan():
+        return True
     values = values.detach().double().reshape(-1)
     nan = torch.isnan(values)
     finite_or_inf = torch.where(nan, torch.zeros_like(values), values)

@@ -25,6 +25,12 @@ def equal_shards():
         _equal_shards.reset(token)
 
 
+def tracing_a_plan():
+    """Whether a memory plan is being traced. The decisions that read values across ranks then take
+    the ordinary training step's branch (every rank's upstream gradient of the loss alike)."""
+    return _equal_shards.get()
+
+
 def planned_layout(group, batch, negatives):
     """The ShardLayout of a plan being traced (`negatives`: this rank's count of hard negatives, or
     None without them), or None outside a plan."""

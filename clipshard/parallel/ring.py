@@ -97,6 +97,7 @@ class _RingLSE(torch.autograd.Function):
             else:
                 row_lse = torch.logaddexp(row_lse, row)
             column.fold(step, col)
+            del block  # freed before the generator allocates the next block's buffer
         col_lse = column.result()  # the full column LSE of this rank's own columns
         ctx.save_for_backward(image, text, scale, bias, row_lse, col_lse, ids)
         ctx.layout, ctx.algorithm = layout, algorithm
@@ -119,13 +120,15 @@ class _RingLSE(torch.autograd.Function):
         column_and_ids = torch.stack([col_lse, g_col]) if ids is None else (torch.stack([col_lse, g_col]), ids)
         for step, block, companion in blocks(ring, text, column_and_ids):
             column, block_ids = (companion, None) if ids is None else companion
+            d_text.arrive()  # the accumulator of this block is in; the one sent on is freed
             di, dt, ds, db = _block_backward(image, block, scale, bias, row_lse, column[0], g_row, g_pos,
                                              column[1], step == 0, ctx.algorithm, ids, block_ids)
             d_image += di
             d_scale += ds.double()
             d_bias += db.double()
+            del di  # freed before the next accumulator's buffer is allocated
             d_text.fold(step, dt)
-            del di, dt  # not alive during the next block's work
+            del dt, block  # not alive during the next block's work (nor when its buffer is allocated)
         grads = (d_image.to(image.dtype), d_text.result().to(text.dtype),
                  d_scale.to(scale.dtype).reshape(scale.shape),
                  None if bias is None else d_bias.to(bias.dtype).reshape(bias.shape))
