@@ -91,6 +91,21 @@ def _summed(value):
     return sum(value) if isinstance(value, (tuple, list)) else value
 
 
+def plan_call(make_call, *, world_size, device_type, setting):
+    """The MemoryPlan of `call()` as rank 0 of a fake world of `world_size` ranks on `device_type`'s
+    rules, where `make_call()` (run inside the fake world, not counted) returns (call, inputs): the
+    inputs are kept alive until the call is done, and call() runs the forward and backward."""
+    start = time.perf_counter()
+    with fake_world(world_size, device_type):
+        call, inputs = make_call()
+        tracker = AllocationTracker(device_type, round_to=CUDA_ROUNDING if device_type == "cuda" else 1)
+        with tracker:
+            call()
+        del inputs
+    allocations = sorted(((a.nbytes, a.what) for a in tracker.peak_allocations), key=lambda a: -a[0])
+    return MemoryPlan(tracker.peak_bytes, allocations, setting, time.perf_counter() - start)
+
+
 def plan_loss(loss, *, world_size, batch_size, dim, dtype, hard_negatives, sample_ids, device, teacher_dim):
     """The MemoryPlan of one rank's forward + backward of `loss` (see clipshard.plan_memory)."""
     fn = "plan_memory"
@@ -101,16 +116,13 @@ def plan_loss(loss, *, world_size, batch_size, dim, dtype, hard_negatives, sampl
     teacher_dim = dim if teacher_dim is None else positive_int(fn, "teacher_dim", teacher_dim)
     dtype = planned_dtype(fn, dtype)
     device_type = planned_device_type(fn, device)
-    start = time.perf_counter()
-    with fake_world(world_size, device_type):
-        call, inputs = _loss_call(_in_world(loss, world_size), batch_size, dim, dtype, hard_negatives,
-                                  bool(sample_ids), teacher_dim)
-        tracker = AllocationTracker(device_type, round_to=CUDA_ROUNDING if device_type == "cuda" else 1)
-        with tracker:
-            _summed(call()).backward()
-        del inputs
+
+    def make_call():
+        forward, inputs = _loss_call(_in_world(loss, world_size), batch_size, dim, dtype, hard_negatives,
+                                     bool(sample_ids), teacher_dim)
+        return (lambda: _summed(forward()).backward()), inputs
+
     setting = [("loss", type(loss).__name__), ("mode", getattr(loss, "mode", None)), ("world_size", world_size),
                ("batch_size", batch_size), ("dim", dim), ("dtype", str(dtype).removeprefix("torch.")),
                ("hard_negatives", hard_negatives), ("sample_ids", bool(sample_ids)), ("device", device_type)]
-    allocations = sorted(((a.nbytes, a.what) for a in tracker.peak_allocations), key=lambda a: -a[0])
-    return MemoryPlan(tracker.peak_bytes, allocations, setting, time.perf_counter() - start)
+    return plan_call(make_call, world_size=world_size, device_type=device_type, setting=setting)
