@@ -177,6 +177,15 @@ else
   status=1
 fi
 
+step "memory plans vs the CUDA allocator's peaks (clipshard.plan_memory, docs/scale.md)"
+if run_step 40 "$LOG_DIR/gpu_plan_check.txt" "$PY" benchmarks/gpu_plan_check.py; then
+  record "memory plans: $(tail -n 1 "$LOG_DIR/gpu_plan_check.txt")"
+else
+  grep -E "^OFF" "$LOG_DIR/gpu_plan_check.txt" | head -n 12
+  record "MEMORY PLANS OFF or not run: $(tail -n 1 "$LOG_DIR/gpu_plan_check.txt")"
+  status=1
+fi
+
 step "benchmarks (CUDA)"
 # name and time limit; the rank simulation is the headline (M = 8192 vs K = 65536, D = 768, bf16).
 # Limits: about 1.5-3x the per-step estimates of docs/gpu_check.md. With the checks before the
