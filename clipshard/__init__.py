@@ -3,7 +3,8 @@ training step, stochastic rounding and half-precision AdamW.
 
 The integrations (clipshard.integrations) and the self-check (clipshard.diagnostics) are reached
 through their own subpackages; the root names them (apply_to_open_clip, apply_to_transformers,
-apply_to_sentence_transformers, text_tower_to_half_precision_, self_check) and imports them on first use.
+apply_to_sentence_transformers, text_tower_to_half_precision_, self_check) and imports them on first use,
+as it does the memory planner (plan_memory, clipshard.planning).
 """
 from clipshard import _build_record
 
@@ -25,6 +26,7 @@ _WINGS = {
     "apply_to_transformers": "clipshard.integrations.transformers_patch",
     "text_tower_to_half_precision_": "clipshard.integrations.open_clip_text_tower",
     "self_check": "clipshard.diagnostics",
+    "plan_memory": "clipshard.planning",
 }
 # clipshard.optim on first use too: its AdamW.step is marked for torch.compile, which imports
 # torch._dynamo (about 1.5 s), and a process that only computes losses has no need of it
@@ -32,7 +34,8 @@ _SUBPACKAGES = ("optim",)
 
 __all__ = ["ClipLoss", "DistillClipLoss", "GradCache", "SigLipLoss", "apply_to_open_clip",
            "apply_to_sentence_transformers", "apply_to_transformers",
-           "clip_loss", "contrastive_lse", "optim", "self_check", "siglip_loss", "siglip_sum", "stochastic_round",
+           "clip_loss", "contrastive_lse", "optim", "plan_memory", "self_check", "siglip_loss", "siglip_sum",
+           "stochastic_round",
            "stochastic_round_", "text_tower_to_half_precision_"]
 
 
