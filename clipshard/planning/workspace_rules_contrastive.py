@@ -8,9 +8,11 @@ tracker counts the outputs itself), read off the C++ of every path: the CPU tile
 (csrc/cuda/contrastive_lse.cu, "fused"). Chunk widths come from clipshard.ops._workspace.chunk_columns,
 the twin of the driver's own rule, with the bytes per logit each kernel passes it.
 
-What is counted is what torch's allocator hands out (what measured_peak_bytes sees); the CPU
-kernels' std::vector state (online log-sum-exp states, per-row sums: O(M + threads x K) host
-bytes) is not, nor cuBLAS's workspace or the CUDA caching allocator's reserve.
+The CPU tile kernels hold one pair of tiles per thread, all at once: the threads are those of
+torch.get_num_threads() when the plan is made (set it as the training run will). What is counted
+is what torch's allocator hands out (what measured_peak_bytes sees): not the CPU kernels'
+std::vector state (online log-sum-exp states, per-row sums: O(M + threads x K) host bytes), nor
+cuBLAS's workspace or the CUDA caching allocator's reserve.
 
 Temporaries that live one after another count as the larger of the moments they make ("phases").
 The backward's gradient accumulators need care: an fp32 accumulator of a 16-bit gradient becomes
@@ -34,7 +36,7 @@ CUDA_CHUNK_THREADS = 256  # kThreads, csrc/cuda/contrastive_lse_chunked_kernels.
 CUDA_GRAD_ROWS_PER_CTA = 32  # kRowsPerCta, the same file: rows per CTA of chunk_grad_kernel
 CUDA_FUSED_TILE = 64  # kTile, csrc/cuda/contrastive_lse_kernels.cuh: rows per CTA of the tile kernels
 # The SM count planned for when no GPU is visible (an H100 SXM's); it only sizes the chunked
-# kernels' per-CTA partial sums, a few hundred KiB at most.
+# kernels' per-CTA partial sums (about 3 x SMs x 32 rows x 8 bytes: 100 KiB on an H100).
 ASSUMED_MULTIPROCESSORS = 132
 
 _F32 = torch.float32
@@ -44,6 +46,10 @@ def _nbytes(dtype, *shape):
     return math.prod(shape) * dtype.itemsize
 
 
+def _name(dtype):
+    return str(dtype).removeprefix("torch.")
+
+
 def _copy(what, tensor, dtype):
     """(what, bytes) of tensor.to(dtype).contiguous(): 0 when the tensor already is that (no copy)."""
     if tensor is None or (tensor.dtype == dtype and tensor.is_contiguous()):
@@ -51,15 +57,18 @@ def _copy(what, tensor, dtype):
     return (what, _nbytes(dtype, tensor.numel()))
 
 
-def _accumulator(what, acc_bytes, out_bytes, is_output, output_made):
-    """(what, bytes) of a gradient accumulator that the kernel returns or rounds into an output at
-    its end: nothing when it is the output itself (counted with the outputs), all of it once its
-    output exists, else its excess over the output (which does not exist yet but is counted)."""
-    if is_output:
-        return (what, 0)
+def _accumulator(what, shape, acc, out, output_made):
+    """(what, bytes) of a gradient accumulator in dtype `acc` that the kernel returns as
+    accumulator.to(out) at its end: nothing when that is the accumulator itself (counted with the
+    outputs), all of it once its output exists, else its excess over the output (which the tracker
+    counts although it does not exist yet)."""
+    label = f"{_name(acc)} accumulator of {what}"
+    if acc == out:
+        return (label, 0)
     if output_made:
-        return (what, acc_bytes)
-    return (f"{what}, less the output made from it at the end", acc_bytes - out_bytes)
+        return (label, _nbytes(acc, *shape))
+    return (f"{label}, beyond the {_name(out)} output made from it at the end",
+            _nbytes(acc, *shape) - _nbytes(out, *shape))
 
 
 def _at_peak(*phases):
@@ -100,8 +109,7 @@ def _cpu_tiles(threads, acc, forward):
 
 def _cpu_feature_copies(rows, cols, acc):
     """A = rows.to(acc).contiguous(), B = cols.to(acc).contiguous(): alive through the whole call."""
-    name = str(acc).removeprefix("torch.")
-    return [_copy(f"{name} copy of the rows (M x D)", rows, acc), _copy(f"{name} copy of the columns (K x D)", cols, acc)]
+    return [_copy(f"{_name(acc)} copy of the rows (M x D)", rows, acc), _copy(f"{_name(acc)} copy of the columns (K x D)", cols, acc)]
 
 
 def _cpu_forward(rows, cols, scale, bias, pos_offset, row_ids, col_ids, want_col_lse, algorithm, workspace_bytes):
@@ -110,7 +118,7 @@ def _cpu_forward(rows, cols, scale, bias, pos_offset, row_ids, col_ids, want_col
     held = _cpu_feature_copies(rows, cols, acc)
     if algorithm == "chunked":  # for_each_chunk's workspace, kc from chunk_columns(M, K, sizeof(acc), budget)
         kc = chunk_columns(m, k, acc.itemsize, workspace_bytes)
-        return held + [(f"chunk of raw similarities (M x {kc})", _nbytes(acc, m, kc))]
+        return held + [(f"chunk of raw similarities (M x {kc} {_name(acc)})", _nbytes(acc, m, kc))]
     return held + [_cpu_tiles(_cpu_threads(m), acc, forward=True)]
 
 
@@ -127,24 +135,19 @@ def _cpu_backward(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale,
     if bias is not None:  # r_lse - b, c_lse - b
         held.append(("log-sum-exps without the bias", _nbytes(acc, m + (k if with_col else 0))))
 
-    # G (M x D) and Gc (K x D) in acc, returned as G.to(rows dtype), Gc.to(cols dtype)
-    name = str(acc).removeprefix("torch.")
-
-    def gradients(output_made):
-        return [_accumulator(f"{name} accumulator of the rows' gradient (M x D)", _nbytes(acc, m, d),
-                             _nbytes(rows.dtype, m, d), rows.dtype == acc, output_made),
-                _accumulator(f"{name} accumulator of the columns' gradient (K x D)", _nbytes(acc, k, d),
-                             _nbytes(cols.dtype, k, d), cols.dtype == acc, output_made)]
+    def gradients(output_made):  # G (M x D), Gc (K x D), returned as G.to(rows' dtype), Gc.to(cols')
+        return [_accumulator("the rows' gradient (M x D)", (m, d), acc, rows.dtype, output_made),
+                _accumulator("the columns' gradient (K x D)", (k, d), acc, cols.dtype, output_made)]
 
     if algorithm == "chunked":  # chunked_gradients: dlogits and the for_each_chunk similarities
         kc = chunk_columns(m, k, 2 * acc.itemsize, workspace_bytes)
-        chunks = [(f"chunk of raw similarities (M x {kc})", _nbytes(acc, m, kc)),
-                  (f"chunk of logit gradients (M x {kc})", _nbytes(acc, m, kc))]
+        chunks = [(f"chunk of raw similarities (M x {kc} {_name(acc)})", _nbytes(acc, m, kc)),
+                  (f"chunk of logit gradients (M x {kc} {_name(acc)})", _nbytes(acc, m, kc))]
     else:  # backward_impl: the other threads' column-gradient partials of a super-block, and the tiles
         threads = _cpu_threads(m)
         super_cols = min(k, max(CPU_COL_BLOCK, CPU_COL_GRAD_BYTES_PER_THREAD // (d * acc.itemsize)
                                 // CPU_COL_BLOCK * CPU_COL_BLOCK))
-        chunks = [(f"column-gradient partials of {threads - 1} threads ({super_cols} x D each)",
+        chunks = [(f"column-gradient partials of every thread but the first ({threads - 1} x {super_cols} x D)",
                    _nbytes(acc, threads - 1, super_cols, d)),
                   _cpu_tiles(threads, acc, forward=False)]
     return _at_peak(held + gradients(False) + chunks, held + gradients(True))
@@ -184,16 +187,14 @@ def _cuda_backward(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale
         _copy("fp32 copy of row_lse", row_lse, _F32)]
     if with_col:
         held += [_copy("fp32 copy of grad_col_lse", grad_col_lse, _F32), _copy("fp32 copy of col_lse", col_lse, _F32)]
-    rows_grad = "fp32 accumulator of the rows' gradient (M x D)"
 
     if algorithm == "fused":
         # fused_backward: grad_rows_f / grad_cols_f fp32 zeros, returned as .to(features' dtype);
         # partial sums 2 x row blocks and their 2 sums; the fp16 pre-scale (tensor-core kernels:
         # D % 8 == 0, assuming 16-byte aligned features on sm_80+)
         def gradients(output_made):
-            return [_accumulator(rows_grad, _nbytes(_F32, m, d), _nbytes(dtype, m, d), dtype == _F32, output_made),
-                    _accumulator("fp32 accumulator of the columns' gradient (K x D)", _nbytes(_F32, k, d),
-                                 _nbytes(dtype, k, d), dtype == _F32, output_made)]
+            return [_accumulator("the rows' gradient (M x D)", (m, d), _F32, dtype, output_made),
+                    _accumulator("the columns' gradient (K x D)", (k, d), _F32, dtype, output_made)]
         fixed = held + [
             _copy("contiguous copy of the rows", rows, dtype), _copy("contiguous copy of the columns", cols, dtype),
             ("per-CTA partial sums of d scale and d bias", _nbytes(_F32, 2, -(-m // CUDA_FUSED_TILE))),
@@ -215,12 +216,13 @@ def _cuda_backward(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale
         ("fp16 gradient pre-scale", _nbytes(_F32, 2) if dtype == torch.float16 else 0),
         (f"per-CTA partial sums of d scale and d bias ({chunks} chunks x {slots} CTAs x 2)",
          _nbytes(_F32, 2, chunks, slots)),
-        (f"chunk of logit gradients (M x {kc})", _nbytes(dtype, m, kc)),
+        (f"chunk of logit gradients (M x {kc} {_name(dtype)})", _nbytes(dtype, m, kc)),
         (f"fp32 chunk buffer of the columns' gradient ({kc} x D)", 0 if dtype == _F32 else _nbytes(_F32, kc, d))]
     similarities = (f"chunk of raw similarities (M x {kc} fp32)", _nbytes(_F32, m, kc))  # for_each_chunk's
-    return _at_peak(
-        fixed + [_accumulator(rows_grad, _nbytes(_F32, m, d), _nbytes(dtype, m, d), dtype == _F32, False), similarities],
-        fixed + [_accumulator(rows_grad, _nbytes(_F32, m, d), _nbytes(dtype, m, d), dtype == _F32, True)])
+    def rows_gradient(output_made):
+        return _accumulator("the rows' gradient (M x D)", (m, d), _F32, dtype, output_made)
+
+    return _at_peak(fixed + [rows_gradient(False), similarities], fixed + [rows_gradient(True)])
 
 
 def _by_device(**rules):

@@ -194,8 +194,9 @@ def test_cuda_chunked_rules_by_hand(h100_launch_rules):
         2 * 24 * 32 * 1 * 4,  # 24 chunks x 32 row blocks x 1 split
         1000 * 128 * 4,  # fp32 logit gradients
         1000 * 128 * 4]  # fp32 similarity chunk
-    # fp16, a tiny budget and wide rows: the end, when the rows' fp16 gradient exists beside its fp32
-    # accumulator (1000 x 768 x 6 B), outweighs the chunk moment (kc = 128: 1000 x 128 x 4 B)
+    # fp16, a tiny budget (kc = 128) and wide rows: at the end the rows' fp32 accumulator (1000 x 768
+    # x 4 B) sits beside its fp16 output, more than its excess over the output (x 2 B) plus the
+    # similarity chunk (1000 x 128 x 4 B) while the chunks run
     forward, backward = op_arguments("cpu", torch.float16, m, 200, 768, "chunked", want_col_lse=False, pos_offset=-1,
                                      workspace_bytes=1)
     assert cuda_rule(BACKWARD, backward) == [
@@ -219,24 +220,28 @@ def test_cuda_fused_rules_by_hand(h100_launch_rules):
     assert cuda_rule(BACKWARD, backward) == [2 * 16 * 4, 2 * 4]  # fp32: the accumulators are the outputs
 
 
-CUDA_CASES = [(1000, 3000, 96, dict(workspace_bytes=8 << 20)),
-              (777, 2000, 64, dict(want_col_lse=False, pos_offset=-1, bias=True)),
-              (1000, 200, 768, dict(pos_offset=-1, workspace_bytes=1))]
+CUDA_CASES = {  # (M, K, D, options, algorithms)
+    "chunks of 1664 / 1280 columns": (1000, 3000, 96, dict(workspace_bytes=8 << 20), ("chunked", "fused")),
+    "one chunk, no positives, bias": (777, 2000, 64, dict(want_col_lse=False, pos_offset=-1, bias=True),
+                                      ("chunked", "fused")),
+    "ids (chunked only)": (777, 2000, 64, dict(ids=True, pos_offset=5), ("chunked",)),
+    "wide rows, 128-column chunks": (1000, 200, 768, dict(pos_offset=-1, workspace_bytes=1), ("chunked", "fused")),
+}
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("algorithm", ["chunked", "fused"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("case", range(len(CUDA_CASES)))
-def test_cuda_rules_match_the_measured_peak(case, dtype, algorithm):
+@pytest.mark.parametrize("case", CUDA_CASES)
+def test_cuda_rules_match_the_measured_peak(case, dtype):
     """On a GPU (the GPU check runs it): each op's CUDA peak against its outputs plus the CUDA rule."""
-    m, k, d, options = CUDA_CASES[case]
-    forward, backward = op_arguments("cuda", dtype, m, k, d, algorithm, **options)
-    for op, args in ((FORWARD, forward), (BACKWARD, backward)):
-        measured, ruled = measured_and_ruled(op, "cuda", args, runs=2)
-        print(f"workspace rule cuda {op} {algorithm} {dtype} M={m} K={k} D={d} {options}: measured {measured}, "
-              f"ruled {ruled}")
-        assert_close(measured, ruled, f"{op} {algorithm} {dtype} case {case}")
+    m, k, d, options, algorithms = CUDA_CASES[case]
+    for algorithm in algorithms:
+        forward, backward = op_arguments("cuda", dtype, m, k, d, algorithm, **options)
+        for op, args in ((FORWARD, forward), (BACKWARD, backward)):
+            measured, ruled = measured_and_ruled(op, "cuda", args, runs=2)
+            print(f"workspace rule cuda {op} {algorithm} {dtype} M={m} K={k} D={d} {options}: measured {measured}, "
+                  f"ruled {ruled}")
+            assert_close(measured, ruled, f"{op} {algorithm} {dtype} {case}")
 
 
 # ---------------------------------------------------------------------------- mirrored C++ constants
