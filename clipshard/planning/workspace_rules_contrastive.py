@@ -109,7 +109,8 @@ def _cpu_tiles(threads, acc, forward):
 
 def _cpu_feature_copies(rows, cols, acc):
     """A = rows.to(acc).contiguous(), B = cols.to(acc).contiguous(): alive through the whole call."""
-    return [_copy(f"{_name(acc)} copy of the rows (M x D)", rows, acc), _copy(f"{_name(acc)} copy of the columns (K x D)", cols, acc)]
+    return [_copy(f"{_name(acc)} copy of the rows (M x D)", rows, acc),
+            _copy(f"{_name(acc)} copy of the columns (K x D)", cols, acc)]
 
 
 def _cpu_forward(rows, cols, scale, bias, pos_offset, row_ids, col_ids, want_col_lse, algorithm, workspace_bytes):
@@ -183,7 +184,8 @@ def _cuda_backward(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale
     dtype = rows.dtype
     with_col = grad_col_lse is not None and grad_col_lse.numel() > 0  # an empty one: no column term
     held = _cuda_scalars(scale, bias) + [  # float_vector copies
-        _copy("fp32 copy of grad_row_lse", grad_row_lse, _F32), _copy("fp32 copy of grad_pos_logit", grad_pos_logit, _F32),
+        _copy("fp32 copy of grad_row_lse", grad_row_lse, _F32),
+        _copy("fp32 copy of grad_pos_logit", grad_pos_logit, _F32),
         _copy("fp32 copy of row_lse", row_lse, _F32)]
     if with_col:
         held += [_copy("fp32 copy of grad_col_lse", grad_col_lse, _F32), _copy("fp32 copy of col_lse", col_lse, _F32)]

@@ -123,6 +123,21 @@ def test_cpu_rules_match_the_measured_peak_on_two_threads(algorithm, dtype):
             assert_close(measured, ruled, f"{op} {algorithm} {dtype}")
 
 
+@pytest.mark.parametrize("algorithm", ["fused", "chunked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cpu_rules_count_the_copies_of_strided_inputs(dtype, algorithm):
+    """Column-major rows and the stride-0 upstream gradients of a sum are copied by the kernels."""
+    with threads(1):
+        forward, backward = op_arguments("cpu", dtype, 300, 1000, 96, algorithm)
+        rows = forward[0].t().contiguous().t()
+        g_row, g_col = torch.tensor(0.5 / 300).expand(300), torch.tensor(0.5 / 1000).expand(1000)
+        forward = (rows, *forward[1:])
+        backward = (g_row, backward[1], g_col, rows, *backward[4:])
+        for op, args in ((FORWARD, forward), (BACKWARD, backward)):
+            measured, ruled = measured_and_ruled(op, "cpu", args)
+            assert_close(measured, ruled, f"{op} {algorithm} {dtype} strided")
+
+
 def test_the_tiles_count_once_per_thread_that_has_row_blocks():
     """A thread per row block at most: 100 rows (1 block) on 2 threads hold one thread's tiles."""
     per_thread = (2 * 128 * 512 + 128 + 512) * 4  # tile, exponentials, a row and a column vector (fp32)
@@ -130,7 +145,8 @@ def test_the_tiles_count_once_per_thread_that_has_row_blocks():
     with threads(2):
         for m, tiles in ((100, 1), (128, 1), (129, 2), (1000, 2)):
             args = (torch.empty(m, 8), cols, torch.tensor(1.0), None, -1, None, None, True, "fused", 1 << 20)
-            assert sum(n for _, n in rules.RULES["clipshard::contrastive_lse_forward"]("cpu", *args)) == tiles * per_thread
+            ruled = rules.RULES["clipshard::contrastive_lse_forward"]("cpu", *args)
+            assert sum(n for _, n in ruled) == tiles * per_thread
 
 
 @pytest.mark.parametrize("dtype,batch,dim,n_threads", [(torch.float32, 300, 96, 1), (torch.bfloat16, 300, 96, 1),
@@ -270,6 +286,7 @@ def test_the_column_splits_mirror_launch_rules():
     body = (ROOT / "csrc" / "include" / "clipshard" / "launch_rules.h").read_text()
     assert re.search(r"steps = ceil_div\(width, threads\);\s*"
                      r"const int64_t wanted = ceil_div\(3 \* sms, std::max<int64_t>\(n_row_blocks, 1\)\);\s*"
-                     r"return static_cast<unsigned>\(std::clamp<int64_t>\(wanted, 1, std::max<int64_t>\(steps, 1\)\)\);",
+                     r"return static_cast<unsigned>\(std::clamp<int64_t>\(wanted, 1, "
+                     r"std::max<int64_t>\(steps, 1\)\)\);",
                      body)
     assert [rules._column_splits(w, b, 132) for w, b in ((1, 1), (1664, 32), (1664, 1), (100000, 1000))] == [1, 7, 7, 1]
