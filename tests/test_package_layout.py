@@ -1,5 +1,5 @@
 """The package's layers: ops (every torch.library registration) <- parallel (speaks no loss's
-words) <- losses; rounding and optim beside ops; grad_cache, integrations and diagnostics as wings
+words) <- losses; rounding and optim beside ops; grad_cache, integrations, diagnostics and planning as wings
 the core never imports (DESIGN.md section 19). Every public name is in the root's __all__ and
 imports from there; no module imports a layer above its own or a private name from another layer;
 no module below the losses mentions a loss argument in its messages; no import cycle."""
@@ -19,7 +19,7 @@ ROOT = pathlib.Path(clipshard.__file__).parent
 # The root's public names (README.md), exactly its __all__.
 PUBLIC = ["ClipLoss", "DistillClipLoss", "GradCache", "SigLipLoss", "apply_to_open_clip", "apply_to_sentence_transformers",
           "apply_to_transformers",
-          "clip_loss", "contrastive_lse", "optim", "self_check", "siglip_loss", "siglip_sum", "stochastic_round",
+          "clip_loss", "contrastive_lse", "optim", "plan_memory", "self_check", "siglip_loss", "siglip_sum", "stochastic_round",
           "stochastic_round_", "text_tower_to_half_precision_"]
 
 # The modules the package root may hold beside its subpackages (no fp64 references: they live
@@ -32,7 +32,8 @@ LAYER_OF = {"clipshard.ops": "ops", "clipshard._C": "ops", "clipshard._build_rec
             "clipshard.optim": "optim", "clipshard.parallel": "parallel", "clipshard.losses": "losses",
             "clipshard.grad_cache": "grad_cache", "clipshard._micro_batches": "grad_cache",
             "clipshard.integrations": "integrations", "clipshard.open_clip_train": "integrations",
-            "clipshard.diagnostics": "diagnostics", "clipshard.__main__": "diagnostics"}
+            "clipshard.diagnostics": "diagnostics", "clipshard.__main__": "diagnostics",
+            "clipshard.planning": "planning"}
 ALLOWED = {
     "ops": {"ops"},
     "rounding": {"ops", "rounding"},
@@ -120,7 +121,7 @@ def test_the_root_holds_only_its_modules_and_the_layers():
     """Everything else lives in a layer's subpackage (no module of an older layout is left behind)."""
     assert {p.stem for p in ROOT.glob("*.py")} <= ROOT_MODULES
     assert {p.name for p in ROOT.iterdir() if p.is_dir() and p.name != "__pycache__"} == {
-        "ops", "parallel", "losses", "optim", "integrations", "diagnostics"}
+        "ops", "parallel", "losses", "optim", "integrations", "diagnostics", "planning"}
     modules = _modules()
     assert all(_layer(name) for name in modules if name != "clipshard")
 

@@ -11,11 +11,13 @@ plus its portable PyTorch twin (algorithm="torch"), with fake kernels and autogr
   public functions are clipshard.rounding's and clipshard.optim's);
 - inputs.py: the input rules of every layer; seeds.py: the (seed, offset) pairs of the random
   streams; _algorithm.py ("auto" -> compiled or torch; its public functions are this package's),
-  _workspace.py (chunk widths).
+  _workspace.py (chunk widths: chunk_columns, which the memory planner's workspace rules use too);
+  planned_device.py (whose device rules apply while clipshard.plan_memory traces).
 
 This is the one layer that registers torch.library ops. Imports: torch and clipshard._C only;
 never clipshard.parallel, the losses, optim or the wings (tests/test_package_layout.py checks this).
 """
 from clipshard.ops._algorithm import check_algorithm, explain_auto, has_compiled_kernel
+from clipshard.ops._workspace import chunk_columns
 
-__all__ = ["check_algorithm", "explain_auto", "has_compiled_kernel"]
+__all__ = ["check_algorithm", "chunk_columns", "explain_auto", "has_compiled_kernel"]

@@ -5,7 +5,7 @@ while it runs: the column-chunk workspace of the chunked kernels, fp32 accumulat
 gradients, per-thread tiles. For each op, a rule gives the temporaries alive at the kernel's own
 peak (next to its outputs), from the op's arguments and the rules of the device planned for; the
 AllocationTracker counts them for that instant. The chunk widths come from the kernels' own rule
-(clipshard.ops._workspace.chunk_columns, the twin of csrc/chunked/chunk_driver.h's).
+(clipshard.ops.chunk_columns, the twin of csrc/chunked/chunk_driver.h's).
 """
 import torch
 

@@ -5,7 +5,7 @@ tracker counts the outputs itself), read off the C++ of every path: the CPU tile
 (csrc/cpu/contrastive_lse.cpp, algorithm "fused"), the CPU chunked kernels
 (csrc/cpu/contrastive_lse_chunked.cpp on csrc/chunked/chunk_driver.h), the CUDA chunked kernels
 (csrc/cuda/contrastive_lse_chunked.cu on the same driver) and the CUDA tile kernels
-(csrc/cuda/contrastive_lse.cu, "fused"). Chunk widths come from clipshard.ops._workspace.chunk_columns,
+(csrc/cuda/contrastive_lse.cu, "fused"). Chunk widths come from clipshard.ops.chunk_columns,
 the twin of the driver's own rule, with the bytes per logit each kernel passes it.
 
 The CPU tile kernels hold one pair of tiles per thread, all at once: the threads are those of
@@ -24,7 +24,7 @@ import math
 import torch
 
 from clipshard.ops import launch_variants
-from clipshard.ops._workspace import chunk_columns
+from clipshard.ops import chunk_columns
 from clipshard.ops.inputs import accumulate_dtype
 
 # Mirrored C++ constants (the test pins each to its source line).
