@@ -34,6 +34,7 @@ CPU_COL_GRAD_BYTES_PER_THREAD = 8 << 20  # kColGradBytesPerThread: a backward th
 CUDA_FORWARD_BYTES_PER_LOGIT = 5  # kForwardBytesPerLogit, csrc/cuda/contrastive_lse_chunked.cu
 CUDA_CHUNK_THREADS = 256  # kThreads, csrc/cuda/contrastive_lse_chunked_kernels.cuh
 CUDA_GRAD_ROWS_PER_CTA = 32  # kRowsPerCta, the same file: rows per CTA of chunk_grad_kernel
+CUDA_CHUNK_GROUP = 64  # kChunkGroup, contrastive_lse_chunked.cu: chunks whose per-CTA sums are kept at once
 CUDA_FUSED_TILE = 64  # kTile, csrc/cuda/contrastive_lse_kernels.cuh: rows per CTA of the tile kernels
 # The SM count planned for when no GPU is visible (an H100 SXM's); it only sizes the chunked
 # kernels' per-CTA partial sums (about 3 x SMs x 32 rows x 8 bytes: 100 KiB on an H100).
@@ -209,7 +210,7 @@ def _cuda_backward(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale
     kc = chunk_columns(m, k, 4 + dtype.itemsize, workspace_bytes)
     row_blocks = -(-m // CUDA_GRAD_ROWS_PER_CTA)
     slots = row_blocks * _column_splits(kc, row_blocks, cuda_multiprocessors())
-    chunks = -(-k // kc)
+    chunks = min(-(-k // kc), CUDA_CHUNK_GROUP)
     # chunked_gradients with grad_dtype = the features' dtype: GradientAccumulator's grad_rows_ (fp32
     # zeros, returned as .to(dtype)), grad_cols_ (the output itself) and, unless fp32 (direct_),
     # its fp32 chunk buffer of grad_cols; rows_buffer_ is assumed absent (addmm.dtype_out takes an
@@ -218,6 +219,7 @@ def _cuda_backward(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale
         ("fp16 gradient pre-scale", _nbytes(_F32, 2) if dtype == torch.float16 else 0),
         (f"per-CTA partial sums of d scale and d bias ({chunks} chunks x {slots} CTAs x 2)",
          _nbytes(_F32, 2, chunks, slots)),
+        ("fp64 totals of d scale and d bias", 2 * _nbytes(torch.float64, 1)),
         (f"chunk of logit gradients (M x {kc} {_name(dtype)})", _nbytes(dtype, m, kc)),
         (f"fp32 chunk buffer of the columns' gradient ({kc} x D)", 0 if dtype == _F32 else _nbytes(_F32, kc, d))]
     similarities = (f"chunk of raw similarities (M x {kc} fp32)", _nbytes(_F32, m, kc))  # for_each_chunk's

@@ -125,10 +125,21 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> contrastive_lse_backward_chunked_cuda
   const Tensor prescale = fp16 ? fp16_gradient_prescale(scale, g_row, g_col, g_pos) : Tensor();
   const Tensor unscale = fp16 ? prescale[1] : Tensor();
 
-  // Per-CTA sums of every chunk, zero where a chunk used fewer CTAs, summed in a fixed order.
+  // Per-CTA sums of a group of up to kChunkGroup chunks (zero where a chunk used fewer CTAs), folded
+  // into fp64 totals after each group in a fixed order: O(kChunkGroup x slots) floats whatever K (a
+  // buffer for every chunk was 512 MiB at M = K = 524288). With at most kChunkGroup chunks, the
+  // totals are the one fp64 sum of all partial sums, as before the grouping.
+  constexpr int64_t kChunkGroup = 64;
   const int64_t slots = int64_t(gy) * column_splits(kc, gy);
-  const int64_t n_chunks = ceil_div(K, kc);
-  Tensor partial_scale = at::zeros({n_chunks, slots}, f32), partial_bias = at::zeros({n_chunks, slots}, f32);
+  const int64_t group = std::min(ceil_div(K, kc), kChunkGroup);
+  Tensor partial_scale = at::zeros({group, slots}, f32), partial_bias = at::zeros({group, slots}, f32);
+  Tensor total_scale = at::zeros({}, f32.dtype(at::kDouble)), total_bias = at::zeros({}, f32.dtype(at::kDouble));
+  const auto fold_group = [&](int64_t chunks) {
+    total_scale += partial_scale.narrow(0, 0, chunks).sum(at::kDouble);
+    total_bias += partial_bias.narrow(0, 0, chunks).sum(at::kDouble);
+    partial_scale.zero_();
+    partial_bias.zero_();
+  };
   int64_t chunk_index = 0;
   Tensor grad_rows, grad_cols;
   dispatch_features(rows.scalar_type(), [&](auto tag) {
@@ -142,18 +153,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> contrastive_lse_backward_chunked_cuda
               g_row.const_data_ptr<float>(), g_pos.const_data_ptr<float>(),
               g_col.defined() ? col_lse.const_data_ptr<float>() : nullptr,
               g_col.defined() ? g_col.const_data_ptr<float>() : nullptr, pos_offset, dlogits.mutable_data_ptr<T>(),
-              partial_scale[chunk_index].mutable_data_ptr<float>(), partial_bias[chunk_index].mutable_data_ptr<float>(),
+              partial_scale[chunk_index % group].mutable_data_ptr<float>(),
+              partial_bias[chunk_index % group].mutable_data_ptr<float>(),
               ids_ptr(row_ids), ids_ptr(col_ids)};
           if (p.row_ids != nullptr)
             k::chunk_grad_kernel<T, true><<<dim3(gx, gy), k::kThreads, 0, stream>>>(p);
           else
             k::chunk_grad_kernel<T><<<dim3(gx, gy), k::kThreads, 0, stream>>>(p);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
-          ++chunk_index;
+          if (++chunk_index % group == 0) fold_group(group);
         });
   });
-  return {grad_rows, grad_cols, partial_scale.sum(at::kDouble).to(at::kFloat),
-          partial_bias.sum(at::kDouble).to(at::kFloat)};
+  if (chunk_index % group != 0) fold_group(chunk_index % group);
+  return {grad_rows, grad_cols, total_scale.to(at::kFloat), total_bias.to(at::kFloat)};
 }
 
 }  // namespace clipshard

@@ -198,6 +198,7 @@ def test_cuda_chunked_rules_by_hand(h100_launch_rules):
     # min(13, ceil(1280 / 256) = 5) CTAs; the similarity chunk (5.1 MB) outweighs the bf16 rows' gradient
     assert cuda_rule(BACKWARD, backward) == [
         2 * 3 * 160 * 4,  # partial sums of d scale, d bias
+        2 * 8,  # their fp64 totals
         1000 * 1280 * 2,  # bf16 logit gradients
         1280 * 96 * 4,  # fp32 chunk buffer of the columns' gradient
         1000 * 96 * (4 - 2),  # fp32 rows' gradient beyond its bf16 output
@@ -208,6 +209,7 @@ def test_cuda_chunked_rules_by_hand(h100_launch_rules):
     assert cuda_rule(BACKWARD, backward) == [
         (1000 + 3000) * 4,  # LSEs without the bias
         2 * 24 * 32 * 1 * 4,  # 24 chunks x 32 row blocks x 1 split
+        2 * 8,  # their fp64 totals
         1000 * 128 * 4,  # fp32 logit gradients
         1000 * 128 * 4]  # fp32 similarity chunk
     # fp16, a tiny budget (kc = 128) and wide rows: at the end the rows' fp32 accumulator (1000 x 768
@@ -218,9 +220,20 @@ def test_cuda_chunked_rules_by_hand(h100_launch_rules):
     assert cuda_rule(BACKWARD, backward) == [
         2 * 4,  # fp16 gradient pre-scale
         2 * 2 * 32 * 1 * 4,  # 2 chunks of 128 columns
+        2 * 8,  # fp64 totals
         1000 * 128 * 2,  # fp16 logit gradients
         128 * 768 * 4,  # fp32 chunk buffer of the columns' gradient
         1000 * 768 * 4]  # the whole fp32 rows' accumulator
+
+
+def test_cuda_chunked_partial_sums_are_bounded_by_the_chunk_group(h100_launch_rules):
+    """More chunks than kChunkGroup: the per-CTA sums of one group of chunks at a time (before the
+    grouping, 4096 chunks x 16384 CTAs x 2 floats were 512 MiB at M = K = 524288, D = 768, bf16)."""
+    m, k = 1000, 128 * 100  # kc = 128 (budget 1 byte): 100 chunks
+    backward = op_arguments("cpu", torch.float32, m, k, 64, "chunked", workspace_bytes=1)[1]
+    sums = [n for what, n in kernel_workspaces.internal_allocations(BACKWARD.default, "cuda", backward, {})
+            if what.startswith("per-CTA partial sums")]
+    assert sums == [2 * 64 * 32 * 1 * 4]  # 64 chunks (the group) x 32 row blocks x 1 split
 
 
 def test_cuda_fused_rules_by_hand(h100_launch_rules):
@@ -274,6 +287,7 @@ def test_cuda_rules_match_the_measured_peak(case, dtype):
     ("cuda/contrastive_lse_chunked_kernels.cuh", f"constexpr int kThreads = {rules.CUDA_CHUNK_THREADS};"),
     ("cuda/contrastive_lse_chunked_kernels.cuh", f"constexpr int kRowsPerCta = {rules.CUDA_GRAD_ROWS_PER_CTA};"),
     ("cuda/contrastive_lse_kernels.cuh", f"constexpr int kTile = {rules.CUDA_FUSED_TILE};"),
+    ("cuda/contrastive_lse_chunked.cu", f"constexpr int64_t kChunkGroup = {rules.CUDA_CHUNK_GROUP};"),
     ("cpu/contrastive_lse_chunked.cpp", "chunked::chunk_columns(M, K, sizeof(acc_t), workspace_bytes)"),
     ("cpu/contrastive_lse_chunked.cpp", "chunked::chunk_columns(M, K, 2 * sizeof(acc_t), workspace_bytes)"),
 ])
