@@ -9,13 +9,15 @@ AllocationTracker counts them for that instant. The chunk widths come from the k
 """
 import torch
 
-from clipshard.planning import workspace_rules_contrastive, workspace_rules_distill, workspace_rules_siglip
+from clipshard.planning import workspace_rules_contrastive, workspace_rules_distill, workspace_rules_rounding, \
+    workspace_rules_siglip
 
 # operator name -> rule(device_type, *op_args) -> [(what, bytes), ...]
 _RULES = {
     **workspace_rules_contrastive.RULES,
     **workspace_rules_siglip.RULES,
     **workspace_rules_distill.RULES,
+    **workspace_rules_rounding.RULES,
 }
 
 
