@@ -17,19 +17,24 @@ or fp32 logit gradients and one chunk driver GradientAccumulator per student / t
 assumes that torch's addmm takes an fp32 accumulator with 16-bit factors
 (addmm_accepts_fp32_accumulator, newer torch): then no GradientAccumulator holds an M x D
 rows_buffer_. The forward's partial row states depend on the GPU's SM count (column splits): the
-current CUDA device's when there is one, else their largest possible size.
+current CUDA device's, else the contrastive rules' assumed one (workspace_rules_contrastive).
 """
 import torch
 
-from clipshard.ops._workspace import chunk_columns
+from clipshard.ops import chunk_columns
+from clipshard.ops.inputs import accumulate_dtype
+from clipshard.planning.workspace_rules_contrastive import cuda_multiprocessors
 from clipshard.planning.workspace_timeline import at_peak, conversions, converted_copy_bytes, dtype_name, nbytes, \
     per_device
 
-# csrc/cpu/distill_lse.cpp: kRowBlock x kColBlock tiles, six per Scratch, plus two kColBlock vectors
-_ROW_BLOCK, _COL_BLOCK, _SCRATCH_TILES = 128, 512, 6
-# csrc/cuda/distill_lse_kernels.cuh and launch_rules.h: rows per CTA, threads per CTA, teachers per
-# forward launch, the grid's y limit
-_CUDA_ROWS_PER_CTA, _CUDA_THREADS, _CUDA_LAUNCH_TEACHERS, _CUDA_MAX_GRID_Y = 16, 256, 2, 65535
+# Mirrored C++ constants (the tests pin each to its source).
+CPU_ROW_BLOCK = 128  # kRowBlock, csrc/cpu/distill_lse.cpp: rows of a CPU tile
+CPU_COL_BLOCK = 512  # kColBlock: columns of a CPU tile
+CPU_SCRATCH_TILES = 6  # Scratch: student, teacher, exps, weighted, dlogits, teacher_dlogits (+ two kColBlock vectors)
+CUDA_ROWS_PER_CTA = 16  # kForwardRows, csrc/cuda/distill_lse_kernels.cuh
+CUDA_THREADS = 256  # kThreads, csrc/cuda/contrastive_lse_chunked_kernels.cuh (the distill kernels' too)
+CUDA_LAUNCH_TEACHERS = 2  # kDistillMaxLaunchTeachers, csrc/include/clipshard/launch_rules.h
+CUDA_MAX_GRID_Y = 65535  # kMaxGridY, the same file
 _GRADIENTS = ("grad_row_lse", "grad_pos_logit", "grad_teacher_row_lse", "grad_row_cross", "grad_col_lse",
               "grad_teacher_col_lse", "grad_col_cross")
 _STATISTICS = ("row_lse", "teacher_row_lse", "row_cross", "col_lse", "teacher_col_lse", "col_cross")
@@ -37,10 +42,6 @@ _STATISTICS = ("row_lse", "teacher_row_lse", "row_cross", "col_lse", "teacher_co
 
 def _ceil_div(a, b):
     return -(-a // b)
-
-
-def _accumulate_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _forward_outputs(M, K, T, want_columns, dtype):
@@ -60,13 +61,13 @@ def _backward_outputs(rows, cols, teacher_rows, teacher_cols, teacher_scale, tea
 
 def _cpu_parallel_chunks(M):
     """The chunks of the CPU kernels' parallel loop: one per thread, at most one per row block."""
-    return min(torch.get_num_threads(), _ceil_div(M, _ROW_BLOCK))
+    return min(torch.get_num_threads(), _ceil_div(M, CPU_ROW_BLOCK))
 
 
 def _cpu_scratch(M, acc):
     chunks = _cpu_parallel_chunks(M)
-    per_thread = nbytes(_SCRATCH_TILES * _ROW_BLOCK * _COL_BLOCK + 2 * _COL_BLOCK, acc)
-    tiles = f"{_SCRATCH_TILES} x {_ROW_BLOCK} x {_COL_BLOCK} + 2 x {_COL_BLOCK}"
+    per_thread = nbytes(CPU_SCRATCH_TILES * CPU_ROW_BLOCK * CPU_COL_BLOCK + 2 * CPU_COL_BLOCK, acc)
+    tiles = f"{CPU_SCRATCH_TILES} x {CPU_ROW_BLOCK} x {CPU_COL_BLOCK} + 2 x {CPU_COL_BLOCK}"
     return f"per-thread tiles: {chunks} x ({tiles}) {dtype_name(acc)}", chunks * per_thread
 
 
@@ -112,7 +113,7 @@ def _needs_teacher(given, teacher_grad):
 def distill_lse_cpu(rows, cols, teacher_rows, teacher_cols, scale, teacher_scale, pos_offset, want_columns,
                     workspace_bytes):
     M, K, T = rows.shape[0], cols.shape[0], teacher_rows.shape[0]
-    acc = _accumulate_dtype(rows.dtype)
+    acc = accumulate_dtype(rows.dtype)
     outputs = _forward_outputs(M, K, T, want_columns, acc)
     copies, converting = _cpu_features(rows, cols, teacher_rows, teacher_cols, acc)
     # the outputs are made before the parallel loop, whose Scratch tiles are the peak
@@ -125,7 +126,7 @@ def distill_lse_backward_cpu(grad_row_lse, grad_pos_logit, grad_teacher_row_lse,
                              teacher_scale, pos_offset, row_lse, teacher_row_lse, row_cross, col_lse, teacher_col_lse,
                              col_cross, teacher_grad, workspace_bytes):
     (M, D), K, (T, _, Dt) = rows.shape, cols.shape[0], teacher_rows.shape
-    acc = _accumulate_dtype(rows.dtype)
+    acc = accumulate_dtype(rows.dtype)
     outputs = _backward_outputs(rows, cols, teacher_rows, teacher_cols, teacher_scale, teacher_grad)
     grads = (grad_row_lse, grad_pos_logit, grad_teacher_row_lse, grad_row_cross, grad_col_lse, grad_teacher_col_lse,
              grad_col_cross)
@@ -161,19 +162,10 @@ def distill_lse_backward_cpu(grad_row_lse, grad_pos_logit, grad_teacher_row_lse,
 # ------------------------------------------------------------------------------------------ CUDA
 
 
-def _cuda_multiprocessors():
-    """The SM count of the current CUDA device, or None without one."""
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-
-
 def _column_splits(width, row_blocks, multiprocessors):
-    """launch_rules::chunk_column_splits; without a GPU to ask, its largest value (one split per column
-    step of the CTA's threads)."""
-    steps = max(_ceil_div(width, _CUDA_THREADS), 1)
-    if multiprocessors is None:
-        return steps
+    """launch_rules::chunk_column_splits: about three CTAs per SM, at least 1, at most one per
+    column step of the CTA's threads."""
+    steps = max(_ceil_div(width, CUDA_THREADS), 1)
     return min(max(_ceil_div(3 * multiprocessors, max(row_blocks, 1)), 1), steps)
 
 
@@ -187,10 +179,10 @@ def distill_lse_cuda(rows, cols, teacher_rows, teacher_cols, scale, teacher_scal
     f32 = torch.float32
     # per logit: the student's and the teachers' fp32 chunks, plus partial column states
     kc = chunk_columns(M, K, 4 * (1 + T) + 2, workspace_bytes)
-    row_blocks = _ceil_div(M, _CUDA_ROWS_PER_CTA)
-    grid_rows = min(row_blocks, _CUDA_MAX_GRID_Y)
-    splits = _column_splits(kc, grid_rows, _cuda_multiprocessors())
-    pair = min(T, _CUDA_LAUNCH_TEACHERS)
+    row_blocks = _ceil_div(M, CUDA_ROWS_PER_CTA)
+    grid_rows = min(row_blocks, CUDA_MAX_GRID_Y)
+    splits = _column_splits(kc, grid_rows, cuda_multiprocessors())
+    pair = min(T, CUDA_LAUNCH_TEACHERS)
     columns = 1 if want_columns else 0
     temporaries = [
         _float32_copy("scale", scale), _float32_copy("teacher_scale", teacher_scale),

@@ -3,7 +3,7 @@
 Both kernels run the chunk driver (csrc/chunked/chunk_driver.h): one M x kc block of similarities
 at a time (for_each_chunk's workspace) and, with with_grad, a block of logit gradients
 (chunked_gradients' grad_workspace) and the GradientAccumulator's fp32 row gradient. kc comes from
-the driver's rule (clipshard.ops._workspace.chunk_columns) with the bytes per logit each kernel
+the driver's rule (clipshard.ops.chunk_columns) with the bytes per logit each kernel
 passes it.
 
 CPU (csrc/cpu/siglip.cpp, siglip_forward_cpu): the driver gets fp32 (fp64) contiguous copies of
@@ -22,13 +22,10 @@ call holds one more fp32 M x D buffer than planned.
 """
 import torch
 
-from clipshard.ops._workspace import chunk_columns
+from clipshard.ops import chunk_columns
+from clipshard.ops.inputs import accumulate_dtype
 from clipshard.planning.workspace_timeline import at_peak, contiguous_copy_bytes, conversions, converted_copy_bytes, \
     dtype_name, nbytes, per_device
-
-
-def _accumulate_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _saved_grad_dtype(dtype):
@@ -48,7 +45,7 @@ def siglip_forward_cpu(rows, cols, scale, bias, pos_offset, row_ids, col_ids, ma
                        workspace_bytes):
     M, D = rows.shape
     K = cols.shape[0]
-    acc = _accumulate_dtype(rows.dtype)
+    acc = accumulate_dtype(rows.dtype)
     acc_name = dtype_name(acc)
     copies, converting = conversions([(f"rows as contiguous {acc_name}", rows, acc),
                                       (f"cols as contiguous {acc_name}", cols, acc)])

@@ -12,7 +12,13 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false as is_non_
 
 
 def nbytes(numel, dtype):
+    """Bytes of numel elements of dtype."""
     return int(numel) * dtype.itemsize
+
+
+def dtype_name(dtype):
+    """'float32' for torch.float32: how the labels name dtypes."""
+    return str(dtype).removeprefix("torch.")
 
 
 def contiguous_copy_bytes(tensor):
@@ -31,6 +37,19 @@ def converted_copy_bytes(tensor, dtype):
     if tensor.is_contiguous() or not is_non_overlapping_and_dense(tensor):
         return copy, 0
     return copy, copy
+
+
+def conversions(steps, before=()):
+    """The copies that a kernel makes one after the other with .to(dtype).contiguous() (each kept
+    for the rest of the call), as (kept, phases): kept the [(what, bytes)] of the copies, phases one
+    [(what, bytes)] per conversion, the copies made so far, `before` and the conversion's transient
+    bytes. steps: [(what, tensor, dtype)]."""
+    kept, phases = [], []
+    for what, tensor, dtype in steps:
+        copy, transient = converted_copy_bytes(tensor, dtype)
+        kept.append((what, copy))
+        phases.append([*before, *kept, (f"{what}: strided conversion before contiguous()", transient)])
+    return kept, phases
 
 
 def at_peak(phases):
@@ -55,21 +74,3 @@ def at_peak(phases):
 def per_device(cpu, cuda):
     """A rule(device_type, *op_args) that runs the CPU kernel's rule or the CUDA kernel's."""
     return lambda device_type, *args: (cuda if device_type == "cuda" else cpu)(*args)
-
-
-def conversions(steps, before=()):
-    """The copies that a kernel makes one after the other with .to(dtype).contiguous() (each kept
-    for the rest of the call), as (kept, phases): kept the [(what, bytes)] of the copies, phases one
-    [(what, bytes)] per conversion, the copies made so far, `before` and the conversion's transient
-    bytes. steps: [(what, tensor, dtype)]."""
-    kept, phases = [], []
-    for what, tensor, dtype in steps:
-        copy, transient = converted_copy_bytes(tensor, dtype)
-        kept.append((what, copy))
-        phases.append([*before, *kept, (f"{what}: strided conversion before contiguous()", transient)])
-    return kept, phases
-
-
-def dtype_name(dtype):
-    """'float32' for torch.float32: how the labels name dtypes."""
-    return str(dtype).removeprefix("torch.")

@@ -1,11 +1,15 @@
 """The workspace rules of siglip_forward, distill_lse(_backward) and the rounding ops against the
 peaks of the real CPU kernels (clipshard.planning.measured_peak), and through plan_memory against
 real forward + backward passes; the CUDA rules' arithmetic pinned for one shape each."""
+import pathlib
+import re
+
 import pytest
 import torch
 
 import clipshard
-from clipshard.planning import plan_memory, workspace_rules_distill
+from clipshard.planning import kernel_workspaces, plan_memory, workspace_rules_distill
+from clipshard.planning.loss_plan import CUDA_ROUNDING
 from clipshard.planning.measured_peak import measured_peak_bytes
 from clipshard.planning.workspace_rules_distill import (distill_lse_backward_cpu, distill_lse_backward_cuda,
                                                         distill_lse_cpu, distill_lse_cuda)
@@ -108,6 +112,14 @@ def test_siglip_forward_cuda_rule_bf16_by_hand():
     assert sum(n for _, n in siglip_forward_cuda(*args)) == loop - outputs
 
 
+def test_siglip_forward_cuda_rule_fp16_by_hand():
+    """fp16 with_grad, same shape: the saved gradients are fp32, so the accumulators are the outputs
+    (alive in the loop); the fp16 logit gradients are prescaled, so the column buffer is used too."""
+    args = _siglip_args(torch.float16, True)[:-1] + (256 << 20,)
+    loop = 3 * 300 * 8 + 2 * 4 + 300 * 1000 * 4 + 300 * 1000 * 2 + 1000 * 96 * 4  # (prescale, unscale): 2 x 4
+    assert sum(n for _, n in siglip_forward_cuda(*args)) == loop
+
+
 # ---------------------------------------------------------------------------------------- distillation
 
 
@@ -159,7 +171,7 @@ def test_distill_lse_cuda_rule_by_hand(monkeypatch):
     """Forward, fp32, M=300, K=1000, T=2, columns wanted, 256 MiB: one chunk of 1000 columns, 19
     row blocks of 16 rows; on a GPU of 132 SMs ceil(3 x 132 / 19) = 21 column splits, capped at
     ceil(1000 / 256) = 4 column steps. The outputs exist before the chunk loop."""
-    monkeypatch.setattr(workspace_rules_distill, "_cuda_multiprocessors", lambda: 132)
+    monkeypatch.setattr(workspace_rules_distill, "cuda_multiprocessors", lambda: 132)
     args = _distill_args(torch.float32, 2, True)[:-1] + (256 << 20,)
     expected = (300 * 1000 * 4 + 2 * 300 * 1000 * 4  # student's and teachers' similarity chunks
                 + 300 * 2 * 4 + 2 * 300 * 3 * 4  # running row states
@@ -183,6 +195,70 @@ def test_distill_lse_backward_cuda_rule_by_hand():
     student_return = base + (300 + 1000) * 96 * 4 + (300 + 1000) * 96 * 2  # fp32 products + bf16 outputs
     outputs = (300 + 1000) * 96 * 2 + (300 + 1000) * 64 * 2 + 4
     assert sum(n for _, n in distill_lse_backward_cuda(*args)) == student_return - outputs
+
+
+def _rounded(n):
+    return -(-n // CUDA_ROUNDING) * CUDA_ROUNDING
+
+
+def _cuda_measured_and_ruled(op, args):
+    """(the CUDA caching allocator's peak of one call after a warm-up, its outputs + the CUDA rule's
+    temporaries, each block rounded as that allocator and the planner round them)."""
+    outputs = op(*args)  # warm-up: cuBLAS's workspace, the addmm probe
+    outputs = (outputs,) if isinstance(outputs, torch.Tensor) else outputs or ()
+    ruled = sum(_rounded(t.untyped_storage().nbytes()) for t in outputs if t.untyped_storage().nbytes())
+    ruled += sum(_rounded(n) for _, n in kernel_workspaces.internal_allocations(op.default, "cuda", args, {}))
+    del outputs
+    measured = max(measured_peak_bytes(lambda: op(*args), "cuda") for _ in range(2))
+    return measured, ruled
+
+
+def _on_cuda(args):
+    return tuple(a.cuda() if isinstance(a, torch.Tensor) else a for a in args)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_cuda_rules_match_the_measured_peak(dtype):
+    """On a GPU (the GPU check's CUDA tests run it): each op's peak against its outputs plus the CUDA
+    rule, one chunk and several (a 4 MiB budget), with ids, strided features, 1 and 2 teachers."""
+    cases = []
+    for budget in (256 << 20, 4 << 20):
+        for with_grad, transposed, ids in ((False, False, None), (True, False, None), (True, True, "mask")):
+            args = _siglip_args(dtype, with_grad, transposed, ids, budget)
+            cases.append((torch.ops.clipshard.siglip_forward, _on_cuda(args)))
+        for teachers, teacher_grad in ((1, False), (2, True)):
+            forward_args = _on_cuda(_distill_args(dtype, teachers, True, budget=budget))
+            stats = torch.ops.clipshard.distill_lse(*forward_args)
+            cases.append((torch.ops.clipshard.distill_lse, forward_args))
+            cases.append((torch.ops.clipshard.distill_lse_backward,
+                          _distill_backward_args(forward_args, stats, teacher_grad)))
+    for op, args in cases:
+        measured, ruled = _cuda_measured_and_ruled(op, args)
+        print(f"workspace rule cuda {op} {dtype}: measured {measured}, ruled {ruled}")
+        assert abs(measured - ruled) <= 0.05 * measured + (32 << 10), (op, measured, ruled)
+
+
+CSRC = pathlib.Path(__file__).resolve().parents[2] / "csrc"
+
+
+@pytest.mark.parametrize("constant, path, pattern", [
+    ("CPU_ROW_BLOCK", "cpu/distill_lse.cpp", r"constexpr int64_t kRowBlock = (\d+);"),
+    ("CPU_COL_BLOCK", "cpu/distill_lse.cpp", r"constexpr int64_t kColBlock = (\d+);"),
+    ("CUDA_ROWS_PER_CTA", "cuda/distill_lse_kernels.cuh", r"constexpr int kForwardRows = (\d+);"),
+    ("CUDA_THREADS", "cuda/contrastive_lse_chunked_kernels.cuh", r"constexpr int kThreads = (\d+);"),
+    ("CUDA_LAUNCH_TEACHERS", "include/clipshard/launch_rules.h", r"constexpr int kDistillMaxLaunchTeachers = (\d+);"),
+    ("CUDA_MAX_GRID_Y", "include/clipshard/launch_rules.h", r"constexpr int64_t kMaxGridY = (\d+);"),
+])
+def test_distill_rule_constants_are_the_kernels(constant, path, pattern):
+    found = re.search(pattern, (CSRC / path).read_text())
+    assert found and int(found.group(1)) == getattr(workspace_rules_distill, constant)
+
+
+def test_distill_cpu_scratch_has_the_tiles_the_rule_counts():
+    tiles = re.search(r"for \(Tensor\* t : \{([^}]*)\}\)\s*\*t = at::empty\(\{kRowBlock \* kColBlock\}",
+                      (CSRC / "cpu/distill_lse.cpp").read_text())
+    assert tiles and len(tiles.group(1).split(",")) == workspace_rules_distill.CPU_SCRATCH_TILES
 
 
 # ---------------------------------------------------------------------------------------------- rounding
