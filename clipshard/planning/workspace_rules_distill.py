@@ -4,8 +4,9 @@
 CPU (csrc/cpu/distill_lse.cpp): features_in makes fp32 (fp64) contiguous copies of the student's and
 the teachers' features where they are not so already, kept for the whole call. The forward and the
 backward run a parallel loop over min(threads, ceil(M / 128)) chunks of row blocks, each with its
-own Scratch of six 128 x 512 tiles and two 512-vectors (all alive at once: the threads run
-together). The backward adds fp32 (fp64) gradient accumulators (the outputs themselves where the
+own Scratch of six 128 x 512 tiles and two 512-vectors, counted alive at once (the kernel's peak
+when its threads run together; on a busy machine a late thread may start after another freed its
+tiles, and the real peak is lower). The backward adds fp32 (fp64) gradient accumulators (the outputs themselves where the
 features are already in the accumulation dtype), and per-thread column-gradient accumulators for
 every chunk but the first, kc columns wide by the driver's rule (chunk_columns) over
 workspace_bytes. Host vectors (the forward's column states, the per-thread std::vector scratch) are
