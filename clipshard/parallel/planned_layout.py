@@ -25,10 +25,16 @@ def equal_shards():
         _equal_shards.reset(token)
 
 
+def equal_shards_planned():
+    """Whether a plan is being traced (within `equal_shards`): every rank is then taken to hold this
+    rank's inputs, so a check of them needs no exchange (GradCache's checks use this)."""
+    return _equal_shards.get()
+
+
 def planned_layout(group, batch, negatives):
     """The ShardLayout of a plan being traced (`negatives`: this rank's count of hard negatives, or
     None without them), or None outside a plan."""
-    if not _equal_shards.get():
+    if not equal_shards_planned():
         return None
     world_size = dist.get_world_size(group)
     return ShardLayout(sizes=(batch,) * world_size, rank=dist.get_rank(group), group=group,
