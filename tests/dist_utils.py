@@ -46,10 +46,8 @@ def _worker(rank, world_size, port, fn, args, results):
             dist.destroy_process_group()
 
 
-def run_group(fn, world_size, *args, timeout=120, start_method="fork"):
-    """start_method="spawn" for a caller whose process has run autograd on fake tensors (a memory
-    plan): that starts autograd's device threads, after which a forked child cannot run backward."""
-    ctx = mp.get_context(start_method)
+def run_group(fn, world_size, *args, timeout=120):
+    ctx = mp.get_context("fork")
     results = ctx.Queue()
     port = free_port()
     env_threads = os.environ.get("OMP_NUM_THREADS")

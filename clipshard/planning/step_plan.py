@@ -1,4 +1,5 @@
-"""clipshard.plan_memory for a GradCache step: one rank's peak over a whole training step (docs/scale.md).
+"""plan_memory for a GradCache step: one rank's peak over a whole training step (docs/grad_cache.md,
+"Planning a step's memory").
 
 A step is what the GPU must hold while training: the model's weights, its gradients, the
 optimizer's state, one micro-batch's activations, the cached features and their gradients, and the
@@ -14,7 +15,8 @@ tensors in a fake world of N ranks (clipshard/planning/fake_world.py), under an 
   int64 (from model.visual.image_size and model.context_length); any other model needs an `inputs`
   factory. With batch_on_device=True the whole local batch is on the device before the step, as
   GradCache's arguments (counted before, included); with False it stays on the host and each
-  micro-batch is copied to the device when the model runs (that copy is counted).
+  micro-batch is copied to the device when the model runs (that copy is counted). Sample ids,
+  which go to the loss whole, are on the device either way.
 - Two steps are traced, with optimizer.zero_grad() (gradients set to None) between them: the
   optimizer creates its state lazily in the first step, and from the second step on that state is
   live for the whole step, so the peak of the two is the peak of any step of a training run. The
@@ -110,7 +112,7 @@ def _tensors_of(module):
     return list(module.parameters()) + list(module.buffers())
 
 
-def open_clip_inputs(model, batch_size):
+def _open_clip_inputs(model, batch_size):
     """(images, texts) of an open_clip-like model: (M, 3, H, W) float32 and (M, context_length) int64."""
     visual = getattr(model, "visual", None)
     size = getattr(visual, "image_size", None)
@@ -198,6 +200,11 @@ def _storage_bytes(tensors, round_to):
     return sum(seen.values())
 
 
+def _weights_line(module):
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters()})
+    return f"weights and buffers: {sum(p.numel() for p in module.parameters())} parameters ({', '.join(dtypes)})"
+
+
 def _describe(tensors):
     return ", ".join(f"{tuple(t.shape)} {str(t.dtype).removeprefix('torch.')}" for t in tensors)
 
@@ -224,7 +231,7 @@ def plan_step(cache, *, world_size, batch_size, device, optimizer, autocast, inp
         module = _fake_model(source)
         parameters = [p for p in module.parameters() if p.requires_grad]
         built = make_optimizer(parameters) if make_optimizer is not None else None
-        images, texts = (inputs or (lambda m: open_clip_inputs(module, m)))(batch_size)
+        images, texts = (inputs or (lambda m: _open_clip_inputs(module, m)))(batch_size)
         batch = tree_flatten((images, texts))[0]
         keywords = {"sample_ids": torch.empty(batch_size, dtype=torch.int64)} if sample_ids else {}
         planned = copy.copy(cache)
@@ -232,12 +239,11 @@ def plan_step(cache, *, world_size, batch_size, device, optimizer, autocast, inp
         planned.loss_fn = _planned_loss(cache.loss_fn, world_size)
         if cache.parameters is not None:
             planned.parameters = parameters
-        counted_before = [(_storage_bytes(_tensors_of(module), round_to),
-                           f"weights and buffers: {sum(p.numel() for p in module.parameters())} parameters "
-                           f"({', '.join(sorted({str(p.dtype).removeprefix('torch.') for p in module.parameters()}))})")]
-        if batch_on_device:
-            counted_before.append((_storage_bytes(batch + list(keywords.values()), round_to),
-                                   f"the local batch's inputs: {_describe(batch + list(keywords.values()))}"))
+        counted_before = [(_storage_bytes(_tensors_of(module), round_to), _weights_line(module))]
+        on_device = (batch if batch_on_device else []) + list(keywords.values())
+        if on_device:
+            counted_before.append((_storage_bytes(on_device, round_to),
+                                   f"the local batch's inputs: {_describe(on_device)}"))
         tracker = AllocationTracker(device_type, round_to=round_to)
         kinds = []  # (Allocation, its kind): the gradients and the optimizer's state, kept to name them
         with tracker:
@@ -254,7 +260,7 @@ def plan_step(cache, *, world_size, batch_size, device, optimizer, autocast, inp
                     built.zero_grad(set_to_none=True)
                 else:
                     module.zero_grad(set_to_none=True)
-        del images, texts, batch, keywords, built, module, parameters, planned
+        del images, texts, batch, on_device, keywords, built, module, parameters, planned
     loss_fn = cache.loss_fn
     setting = [("model", type(cache.model).__name__ if model is None else getattr(model, "__name__", "factory")),
                ("loss", type(loss_fn).__name__), ("mode", getattr(loss_fn, "mode", None)),

@@ -89,7 +89,7 @@ def test_planned_step_of_a_model_given_inputs_matches_the_measured_step_on_two_r
         model = two_tower.TwoTower()
     plan = plan_memory(two_tower.cache(model), world_size=2, batch_size=two_tower.BATCH, device="cpu",
                        optimizer="clipshard", inputs=two_tower.inputs)
-    for measured in run_group(two_tower.measured_on_rank, 2, start_method="spawn"):
+    for measured in run_group(two_tower.measured_on_rank, 2):
         _assert_close(_planned_step(plan), measured, plan)
 
 
@@ -158,3 +158,46 @@ def test_a_function_model_and_a_model_without_open_clip_inputs_are_refused_clear
         plan_memory(clipshard.GradCache(plain, clipshard.ClipLoss(), 4), world_size=1, batch_size=8)
     with pytest.raises(ValueError, match="optimizer, autocast, inputs, model and batch_on_device plan a GradCache"):
         plan_memory(clipshard.ClipLoss(), world_size=1, batch_size=8, dim=4, optimizer="torch")
+
+
+def test_grad_cache_still_checks_its_inputs_while_a_plan_traces_over_ranks():
+    """Under a plan GradCache's checks raise on this rank alone (every rank holds the same inputs)."""
+    def mismatched(batch_size):
+        return torch.empty(batch_size, 3, 32, 32), torch.empty(batch_size - 1, 16, dtype=torch.int64)
+
+    with pytest.raises(ValueError, match="images and texts must have the same batch size"):
+        plan_memory(_cache(_model("meta")), world_size=2, batch_size=BATCH, device="cpu", inputs=mismatched)
+
+
+def test_sample_ids_are_on_the_device_with_the_batch_on_the_host():
+    plan = plan_memory(_cache(_model("meta")), world_size=1, batch_size=BATCH, device="cpu", sample_ids=True,
+                       batch_on_device=False)
+    assert plan.counted_before[1] == (BATCH * 8, f"the local batch's inputs: ({BATCH},) int64")
+
+
+_PLAN_THEN_FORK = """
+import torch, clipshard
+from clipshard.planning import plan_memory
+from tests.dist_utils import run_group
+
+def backward_on_rank(rank, world_size):
+    x = torch.ones(3, requires_grad=True)
+    (2 * x).sum().backward()
+    return x.grad.tolist()
+
+plan_memory(clipshard.ClipLoss(), world_size=1, batch_size=4, dim=8, device="cpu")  # the process's first backward
+assert run_group(backward_on_rank, 2) == [[2.0] * 3] * 2
+"""
+
+
+def test_a_process_whose_first_backward_was_a_plan_can_fork_ranks_that_run_backward():
+    """Fake tensors' first backward would start autograd's device threads, after which a forked
+    child cannot run backward; fake_world starts the engine outside the fake mode first."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", _PLAN_THEN_FORK], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]

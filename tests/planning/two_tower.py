@@ -1,7 +1,6 @@
-"""A small two-tower model without open_clip (an MLP over 8 x 8 images, a token embedding with a
-linear layer over texts) and its measured GradCache step, for the 2-rank test of
-tests/planning/test_step_plan.py: its ranks are spawned (a process that has made a memory plan
-cannot fork ranks that run backward), so they import only this module, torch and clipshard."""
+"""A small two-tower model that is not open_clip's (an MLP over 8 x 8 images, a token embedding
+and an MLP over texts), its inputs for plan_memory's `inputs=`, and its measured GradCache step on
+a rank: the 2-rank test of tests/planning/test_step_plan.py."""
 import torch
 import torch.nn.functional as F
 
