@@ -26,20 +26,23 @@ OPTIMIZERS = {"clipshard": lambda p: clipshard.optim.AdamW(p),
               "torch": lambda p: torch.optim.AdamW(p)}
 
 
-def _model(device=None):
+def _model(device=None, siglip=False):
     with torch.device(device or "cpu"):
         torch.manual_seed(0)
-        return open_clip.CLIP(embed_dim=32, vision_cfg=VISION, text_cfg=TEXT, output_dict=True)
+        return open_clip.CLIP(embed_dim=32, vision_cfg=VISION, text_cfg=TEXT, output_dict=True,
+                              init_logit_bias=-10.0 if siglip else None)
 
 
-def _cache(model):
-    return clipshard.GradCache(model, clipshard.ClipLoss(mode="ring"), micro_batch_size=MICRO)
+def _cache(model, siglip=False, parameters_mode=False):
+    loss = clipshard.SigLipLoss(mode="ring") if siglip else clipshard.ClipLoss(mode="ring")
+    return clipshard.GradCache(model, loss, micro_batch_size=MICRO,
+                               parameters=model.parameters() if parameters_mode else None)
 
 
-def _measured(optimizer, autocast=None):
+def _measured(optimizer, autocast=None, siglip=False, parameters_mode=False):
     """The peak above the start of two real steps, with the weights and the batch allocated before."""
-    model = _model()
-    cache, built = _cache(model), OPTIMIZERS[optimizer](model.parameters())
+    model = _model(siglip=siglip)
+    cache, built = _cache(model, siglip, parameters_mode), OPTIMIZERS[optimizer](model.parameters())
     generator = torch.Generator().manual_seed(1)
     images, texts = torch.randn(BATCH, 3, 32, 32, generator=generator), torch.randint(1, 1000, (BATCH, 16),
                                                                                        generator=generator)
@@ -61,9 +64,9 @@ def _planned_step(plan):
     return plan.peak_bytes - sum(nbytes for nbytes, _ in plan.counted_before)
 
 
-def _plan(optimizer, world_size=1, autocast=None):
-    return plan_memory(_cache(_model("meta")), world_size=world_size, batch_size=BATCH, device="cpu",
-                       optimizer=OPTIMIZERS[optimizer], autocast=autocast)
+def _plan(optimizer, world_size=1, autocast=None, siglip=False, parameters_mode=False):
+    return plan_memory(_cache(_model("meta", siglip), siglip, parameters_mode), world_size=world_size,
+                       batch_size=BATCH, device="cpu", optimizer=OPTIMIZERS[optimizer], autocast=autocast)
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +84,13 @@ def _assert_close(planned, measured, plan):
 def test_planned_step_matches_the_measured_step_in_one_process(optimizer, autocast):
     plan = _plan(optimizer, autocast=autocast)
     _assert_close(_planned_step(plan), _measured(optimizer, autocast), plan)
+
+
+@pytest.mark.parametrize("siglip,parameters_mode", [(True, False), (False, True)],
+                         ids=["SigLipLoss", "parameters-mode"])
+def test_planned_step_matches_the_measured_step_for_siglip_and_parameters_mode(siglip, parameters_mode):
+    plan = _plan("clipshard", siglip=siglip, parameters_mode=parameters_mode)
+    _assert_close(_planned_step(plan), _measured("clipshard", siglip=siglip, parameters_mode=parameters_mode), plan)
 
 
 def test_planned_step_of_a_model_given_inputs_matches_the_measured_step_on_two_ranks():
