@@ -33,10 +33,13 @@ tensors in a fake world of N ranks (clipshard/planning/fake_world.py), under an 
 - Mixed precision: autocast=torch.bfloat16 (or float16) runs the steps under autocast, as a
   mixed-precision loop does (GradCache re-enters it in its re-runs); the optimizer steps outside it.
   The fake tensors are CPU tensors (see clipshard/ops/planned_device.py), so it is CPU autocast's
-  list of which ops run in 16 bits that applies, which can differ from CUDA's for a few ops.
+  list of which ops run in 16 bits that applies; for a plan for CUDA, layer_norm follows CUDA's
+  rule (fp32) instead (clipshard/planning/cuda_autocast_rules.py). Other ops that CUDA's autocast
+  puts in fp32 (softmax, norms, exp, ...) are not emulated.
 Not planned: hard_negative_texts (GradCache's encode_text), DDP / FSDP wrappers (the plan runs the
 plain module; DDP's gradient buckets add about one gradient's size), the allocator's fragmentation.
 """
+import contextlib
 import copy
 import time
 
@@ -46,6 +49,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from clipshard.losses import ClipLoss, DistillClipLoss, SigLipLoss
 from clipshard.planning.allocation_tracker import AllocationTracker
+from clipshard.planning.cuda_autocast_rules import cuda_autocast_rules
 from clipshard.planning.fake_world import fake_world
 from clipshard.planning.loss_plan import CUDA_ROUNDING, planned_device_type, positive_int
 from clipshard.planning.memory_plan import MemoryPlan
@@ -246,7 +250,8 @@ def plan_step(cache, *, world_size, batch_size, device, optimizer, autocast, inp
                                    f"the local batch's inputs: {_describe(on_device)}"))
         tracker = AllocationTracker(device_type, round_to=round_to)
         kinds = []  # (Allocation, its kind): the gradients and the optimizer's state, kept to name them
-        with tracker:
+        rules = cuda_autocast_rules() if device_type == "cuda" and autocast is not None else contextlib.nullcontext()
+        with rules, tracker:
             for _ in range(STEPS):
                 with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
                     loss = planned(images, texts, **keywords)

@@ -211,3 +211,19 @@ def test_a_process_whose_first_backward_was_a_plan_can_fork_ranks_that_run_backw
     done = subprocess.run([sys.executable, "-c", _PLAN_THEN_FORK], cwd=root, env=env, capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_a_plan_for_cuda_runs_layer_norm_in_fp32_under_autocast_as_cuda_does():
+    """CPU autocast leaves layer_norm in its input's dtype, CUDA's runs it in fp32: a plan for CUDA
+    follows CUDA, and CPU autocast is as it was afterwards."""
+    def layer_norms(device):
+        plan = plan_memory(_cache(_model("meta")), world_size=1, batch_size=BATCH, device=device,
+                           autocast=torch.bfloat16)
+        return {what.rsplit(" ", 1)[1] for _, what in plan.peak_allocations
+                if "native_layer_norm -> (4, 17, " in what}  # the vision tower's (its input is bf16)
+
+    assert layer_norms("cuda") == {"float32"}
+    assert layer_norms("cpu") == {"bfloat16"}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        x = torch.randn(2, 8, dtype=torch.bfloat16)
+        assert torch.nn.functional.layer_norm(x, (8,), torch.ones(8), torch.zeros(8)).dtype == torch.bfloat16
