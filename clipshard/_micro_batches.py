@@ -7,6 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from clipshard.parallel import agreement
+from clipshard.parallel.planned_layout import tracing_a_plan
 
 FN = "GradCache"
 FEATURES = ("image_features", "text_features")
@@ -229,4 +230,6 @@ def raise_on_every_rank(group, error):
     that one rank's bad input never leaves the others waiting in a collective
     (clipshard.parallel.agreement.raise_on_every_rank)."""
     problem = None if error is None else (type(error), str(error).removeprefix(f"{FN}: "))
+    if tracing_a_plan():  # a memory plan on fake tensors: every rank holds these inputs, nothing to exchange
+        group = None
     agreement.raise_on_every_rank(FN, problem, group)

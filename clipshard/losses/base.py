@@ -23,7 +23,7 @@ from clipshard.ops.inputs import (SUPPORTED_DTYPES, TARGETS, FeaturePair, LossSc
 from clipshard.parallel import steady_state
 from clipshard.parallel.agreement import differing_values, exchange_rows, require_same
 from clipshard.parallel.layout import ShardLayout, metadata_device, process_group, single_process_layout
-from clipshard.parallel.planned_layout import planned_layout
+from clipshard.parallel.planned_layout import planned_layout, tracing_a_plan
 
 CLIP_MODES = ("exchange", "local", "ring")  # ClipLoss and DistillClipLoss
 SIGLIP_MODES = ("gather", "ring")
@@ -306,12 +306,11 @@ def shard_layout(fn, image, text, scale, bias, group, options, *, rank_arg=None,
         if problem is not None:
             problem.raise_for(fn)
         return _with_negatives(single_process_layout(image.shape[0]), extras)
-    negatives = None if extras.hard_negatives is None else extras.hard_negatives.shape[0]
-    planned = planned_layout(group, image.shape[0], negatives)
-    if planned is not None:  # a memory plan on fake tensors: no values to exchange
+    if tracing_a_plan():  # a memory plan on fake tensors: no values to exchange
         if problem is not None:
             problem.raise_for(fn)
-        return planned
+        negatives = None if extras.hard_negatives is None else extras.hard_negatives.shape[0]
+        return planned_layout(group, image.shape[0], negatives)
     if problem is not None:
         fields = [0] * len(FIELDS)
     else:

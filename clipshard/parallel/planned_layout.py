@@ -27,15 +27,14 @@ def equal_shards():
 
 def tracing_a_plan():
     """Whether a memory plan is being traced. The decisions that read values across ranks then take
-    the ordinary training step's branch (every rank's upstream gradient of the loss alike)."""
+    the ordinary training step's branch (every rank's upstream gradient of the loss alike), and a
+    check of this rank's inputs needs no exchange (every rank holds the same; GradCache's checks)."""
     return _equal_shards.get()
 
 
 def planned_layout(group, batch, negatives):
-    """The ShardLayout of a plan being traced (`negatives`: this rank's count of hard negatives, or
-    None without them), or None outside a plan."""
-    if not _equal_shards.get():
-        return None
+    """The ShardLayout of a plan being traced: every rank with `batch` pairs and `negatives` hard
+    negatives (None: without them)."""
     world_size = dist.get_world_size(group)
     return ShardLayout(sizes=(batch,) * world_size, rank=dist.get_rank(group), group=group,
                        negative_sizes=None if negatives is None else (negatives,) * world_size)

@@ -92,6 +92,10 @@ class AllocationTracker(TorchDispatchMode):
         if allocation is not None:
             self.live_bytes -= allocation.nbytes
 
+    def allocation_of(self, tensor):
+        """The live Allocation of `tensor`'s storage, or None (made before the tracker, or freed)."""
+        return self._live.get(id(tensor.untyped_storage()))
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         before = {id(t.untyped_storage()) for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)}

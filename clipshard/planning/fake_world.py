@@ -10,6 +10,7 @@ dtypes. Together they run clipshard's real loss code at any size in seconds. The
 """
 import contextlib
 
+import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -43,11 +44,20 @@ def fake_process_group(world_size):
         dist.destroy_process_group()
 
 
+def _start_autograd_outside_fake_mode():
+    """Autograd's engine starts its device threads once, at the first backward of the process.
+    Started inside a FakeTensorMode it starts them even on a machine without an accelerator, and a
+    process with such threads cannot fork a child that runs backward (forked ranks, DataLoader-style
+    workers). A real backward outside the mode starts the engine with the machine's own devices."""
+    torch.ones((), requires_grad=True).backward()
+
+
 @contextlib.contextmanager
 def fake_world(world_size, device_type):
     """Fake tensors (made in the block on the CPU; see planned_device for why) on a fake group of
     `world_size` ranks (none for a world of 1), with the rules of `device_type`. Yields the
     FakeTensorMode."""
+    _start_autograd_outside_fake_mode()
     group = fake_process_group(world_size) if world_size > 1 else contextlib.nullcontext()
     with group, equal_shards(), rules_of(device_type), FakeTensorMode() as mode:
         yield mode
