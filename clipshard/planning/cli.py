@@ -9,6 +9,8 @@ plan of a whole GradCache training step of that model.
 import argparse
 import json
 
+import torch
+
 _LOSSES = ("clip", "siglip", "distill")
 
 
@@ -24,8 +26,10 @@ def _parser():
     parser.add_argument("--direction", choices=("both", "image_to_text"), default="both", help="ClipLoss direction")
     parser.add_argument("--world-size", type=int, required=True, help="number of ranks N")
     parser.add_argument("--batch-size", type=int, required=True, help="local batch per rank (global: N times it)")
-    parser.add_argument("--dim", type=int, required=True, help="feature size D")
-    parser.add_argument("--dtype", default="fp32", help="features' dtype: fp32, bf16, fp16 or fp64")
+    parser.add_argument("--dim", type=int, default=None, help="feature size D (a loss; a model has its own)")
+    parser.add_argument("--dtype", default="fp32",
+                        help="features' dtype: fp32, bf16, fp16 or fp64; with --model, bf16 / fp16 run the step "
+                             "under autocast")
     parser.add_argument("--hard-negatives", type=int, default=0, help="hard negatives per rank")
     parser.add_argument("--sample-ids", action="store_true", help="with sample ids (the loss's default targets)")
     parser.add_argument("--teacher-dim", type=int, default=None, help="distill: the teacher's feature size")
@@ -34,9 +38,13 @@ def _parser():
     parser.add_argument("--model", default=None,
                         help="plan a GradCache step of this model: open_clip:<name>, e.g. open_clip:ViT-B-16")
     parser.add_argument("--micro-batch", type=int, default=None, help="GradCache micro-batch size (with --model)")
-    parser.add_argument("--optimizer", choices=("clipshard", "torch", "none"), default="clipshard",
+    parser.add_argument("--optimizer", choices=("clipshard", "clipshard-bf16", "torch", "none"),
+                        default="clipshard",
                         help="with --model: the optimizer whose state is planned (clipshard.optim.AdamW with its "
-                             "default 16-bit states, torch.optim.AdamW, or none)")
+                             "defaults, the same with bf16 moments, torch.optim.AdamW, or none)")
+    parser.add_argument("--batch-on-host", action="store_true",
+                        help="with --model: the batch stays in host memory, each micro-batch is copied to the "
+                             "device (default: the whole local batch is on the device)")
     parser.add_argument("--rows", type=int, default=12, help="allocation kinds listed in the report")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     return parser
@@ -55,23 +63,43 @@ def _loss(args):
     return clipshard.ClipLoss(direction=args.direction, **options)
 
 
+def _optimizer(name):
+    """The --optimizer choice as plan_memory's optimizer argument."""
+    if name == "clipshard-bf16":
+        import clipshard.optim
+        return lambda parameters: clipshard.optim.AdamW(parameters, state_dtype=torch.bfloat16)
+    return None if name == "none" else name
+
+
+def _open_clip_model(spec):
+    """An open_clip model named by 'open_clip:<name>', built on the meta device (no weights)."""
+    kind, _, name = spec.partition(":")
+    if kind != "open_clip" or not name:
+        raise SystemExit(f"python -m clipshard plan: --model must be open_clip:<model name>, got {spec!r}")
+    import open_clip
+    return open_clip.create_model(name, pretrained=None, device="meta")
+
+
 def make_plan(args):
     """The MemoryPlan the command line asks for."""
     from clipshard.planning import plan_memory
 
     loss = _loss(args)
-    common = dict(world_size=args.world_size, batch_size=args.batch_size, dim=args.dim, dtype=args.dtype,
-                  device=args.device)
+    common = dict(world_size=args.world_size, batch_size=args.batch_size, device=args.device)
     if args.model is None:
         if args.micro_batch is not None:
             raise SystemExit("python -m clipshard plan: --micro-batch needs --model")
-        return plan_memory(loss, hard_negatives=args.hard_negatives, sample_ids=args.sample_ids,
-                           teacher_dim=args.teacher_dim, **common)
-    from clipshard.planning.step_plan import plan_named_model_step
+        if args.dim is None:
+            raise SystemExit("python -m clipshard plan: --dim is needed to plan a loss")
+        return plan_memory(loss, dim=args.dim, dtype=args.dtype, hard_negatives=args.hard_negatives,
+                           sample_ids=args.sample_ids, teacher_dim=args.teacher_dim, **common)
     if args.micro_batch is None:
         raise SystemExit("python -m clipshard plan: --model needs --micro-batch")
-    return plan_named_model_step(args.model, loss, micro_batch_size=args.micro_batch,
-                                 optimizer=None if args.optimizer == "none" else args.optimizer, **common)
+    from clipshard.grad_cache import GradCache
+    cache = GradCache(_open_clip_model(args.model), loss, micro_batch_size=args.micro_batch)
+    autocast = None if args.dtype in ("fp32", "float32") else args.dtype
+    return plan_memory(cache, optimizer=_optimizer(args.optimizer), autocast=autocast,
+                       batch_on_device=not args.batch_on_host, sample_ids=args.sample_ids, **common)
 
 
 def main(argv=None):

@@ -44,6 +44,10 @@ def test_exchange_grows_with_the_world_and_ring_does_not(capsys):
     (["--world-size", "2", "--batch-size", "8", "--dim", "4", "--dtype", "int8"], "dtype must be"),
     (["--world-size", "2", "--batch-size", "8", "--dim", "4", "--micro-batch", "4"], "--micro-batch needs --model"),
     (["--loss", "siglip", "--mode", "exchange", "--world-size", "2", "--batch-size", "8", "--dim", "4"], "mode"),
+    (["--world-size", "2", "--batch-size", "8"], "--dim is needed to plan a loss"),
+    (["--world-size", "2", "--batch-size", "8", "--model", "open_clip:ViT-B-16"], "--model needs --micro-batch"),
+    (["--world-size", "2", "--batch-size", "8", "--model", "ViT-B-16", "--micro-batch", "4"],
+     "--model must be open_clip:<model name>"),
 ])
 def test_bad_arguments_exit_with_a_message_naming_them(argv, message):
     with pytest.raises(SystemExit) as exit_info:
