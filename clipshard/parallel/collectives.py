@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from clipshard.parallel import traced_collectives as traced
+from clipshard.parallel.planned_layout import in_memory_plan
 
 # Recent torch versions renamed the single-tensor collectives (deprecating the old names); older
 # versions only have the old names.
@@ -141,6 +142,8 @@ def same_on_every_rank(values, layout):
     """Whether every rank holds the same `values` (a small tensor): one all-reduce MAX of
     (values, -values, NaN flags). A NaN is a difference: a MAX reduction drops NaN (every
     comparison with it is false), so without the flags NaN on one rank would pass for agreement."""
+    if in_memory_plan():  # the planned ranks are copies of this one
+        return True
     values = values.detach().double().reshape(-1)
     nan = torch.isnan(values)
     finite_or_inf = torch.where(nan, torch.zeros_like(values), values)

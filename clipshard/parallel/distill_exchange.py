@@ -26,6 +26,7 @@ from clipshard.parallel import collectives as cdist
 from clipshard.ops.distill_lse import distill_lse
 from clipshard.parallel.distill_two_pass import global_losses_two_passes
 from clipshard.parallel.distill_ring import partial_terms, ring_partials, weighted_rows
+from clipshard.parallel.planned_layout import in_memory_plan
 
 
 def _gather_teacher(teacher, layout, with_grad=True):
@@ -139,7 +140,7 @@ class _GlobalLosses(torch.autograd.Function):
         table = torch.zeros(layout.world_size, own.numel(), dtype=torch.float64, device=grad.device)
         table[layout.rank] = own
         table = cdist.all_reduce_sum(table, layout)  # every rank's upstream gradient
-        uniform = bool((table == table[0]).all())
+        uniform = in_memory_plan() or bool((table == table[0]).all())  # (a plan's ranks are this one's copies)
         weights = [own] if uniform else list(torch.eye(own.numel(), dtype=torch.float64, device=grad.device))
         passes = []
         for n, weight in enumerate(weights):

@@ -25,10 +25,16 @@ def equal_shards():
         _equal_shards.reset(token)
 
 
+def in_memory_plan():
+    """Whether a memory plan is being traced: every rank is then this rank's copy, so a question
+    about the ranks' agreement (a host read, which fake tensors cannot answer) has the answer yes."""
+    return _equal_shards.get()
+
+
 def planned_layout(group, batch, negatives):
     """The ShardLayout of a plan being traced (`negatives`: this rank's count of hard negatives, or
     None without them), or None outside a plan."""
-    if not _equal_shards.get():
+    if not in_memory_plan():
         return None
     world_size = dist.get_world_size(group)
     return ShardLayout(sizes=(batch,) * world_size, rank=dist.get_rank(group), group=group,

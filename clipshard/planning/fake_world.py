@@ -10,6 +10,7 @@ dtypes. Together they run clipshard's real loss code at any size in seconds. The
 """
 import contextlib
 
+import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -43,11 +44,24 @@ def fake_process_group(world_size):
         dist.destroy_process_group()
 
 
+def _settle_autograd_threads():
+    """Autograd starts its per-device worker threads once, at a process's first backward, for the
+    devices that torch reports then; a forked child of a process with such threads refuses to run
+    a backward. On a machine without a usable GPU, FakeTensorMode installs a no-op CUDA device guard
+    that reports a device, so a process whose first backward came during or after a plan would start
+    a CUDA worker thread for nothing, and its fork-based children (torch.multiprocessing, forked
+    ranks) could not train. One real CPU backward before the plan starts the threads as they are
+    without it (none on such a machine); after a process's first backward it changes nothing."""
+    with torch.enable_grad():
+        torch.ones((), requires_grad=True).mul(1.0).backward()
+
+
 @contextlib.contextmanager
 def fake_world(world_size, device_type):
     """Fake tensors (made in the block on the CPU; see planned_device for why) on a fake group of
     `world_size` ranks (none for a world of 1), with the rules of `device_type`. Yields the
     FakeTensorMode."""
+    _settle_autograd_threads()
     group = fake_process_group(world_size) if world_size > 1 else contextlib.nullcontext()
     with group, equal_shards(), rules_of(device_type), FakeTensorMode() as mode:
         yield mode
