@@ -15,7 +15,8 @@ subclass) never. The tracker counts such a sum as made in place when old dies wi
 A compiled kernel's own temporaries (its workspace) are invisible to its fake kernel, which only
 makes the outputs: for the clipshard ops the tracker asks
 clipshard.planning.kernel_workspaces for the temporaries the kernel holds at its own peak, and
-counts them as live for that instant.
+counts them as live for that instant; likewise, for the collectives of the fake process group,
+clipshard.planning.collective_workspaces for the staging buffers of the backend planned for.
 """
 import sys
 import weakref
@@ -25,7 +26,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from clipshard.planning import kernel_workspaces
+from clipshard.planning import collective_workspaces, kernel_workspaces
 
 _PACKAGE_DIR = __file__.rsplit("/planning/", 1)[0] + "/"
 _OWN_FILES = (_PACKAGE_DIR + "planning/", _PACKAGE_DIR + "ops/no_autocast.py")
@@ -147,6 +148,7 @@ class AllocationTracker(TorchDispatchMode):
             self._note_sum(args[0], out)
             return out
         workspace = kernel_workspaces.internal_allocations(func, self.device_type, args, kwargs)
+        workspace += collective_workspaces.internal_allocations(func, self.device_type, args)
         self._note_peak([Allocation(self._rounded(n), f"{caller}: {op_name} workspace: {what}")
                          for what, n in workspace])
         return out

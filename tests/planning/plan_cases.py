@@ -10,9 +10,14 @@ the forward and the backward of the loss (DistillClipLoss: of its two terms' sum
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 import clipshard
+from clipshard.parallel.collectives import gather_rows
+from clipshard.parallel.layout import ShardLayout
 from clipshard.planning import plan_memory
+from clipshard.planning.allocation_tracker import AllocationTracker
+from clipshard.planning.fake_world import fake_world
 from clipshard.planning.measured_peak import measured_peak_bytes
 
 # MiBs of loss memory per rank (the features' gradients alone are 1.2 MiB), so that the tolerance's
@@ -153,13 +158,46 @@ def _cases():
 CASES = tuple(_cases())
 
 
+def gather_and_back(x):
+    """The exchange modes' collectives alone, over the default group: every rank's rows of x
+    gathered (an all-gather into one tensor), the gradient of their weighted sum reduce-scattered
+    back to x (a reduce-scatter of one tensor). The gathered rows stay alive to the end, as a
+    loss's saved texts do (gloo's worker may hold them until its next collective anyway)."""
+    world_size = dist.get_world_size()
+    layout = ShardLayout(sizes=(x.shape[0],) * world_size, rank=dist.get_rank(), group=dist.group.WORLD)
+    gathered = gather_rows(x, layout)
+    (gathered * 0.5).sum().backward()
+    return gathered
+
+
+def plan_gather(world_size):
+    """The planned peak of gather_and_back on a fake group of world_size ranks (a CPU plan)."""
+    with fake_world(world_size, "cpu"):
+        x = torch.empty(BATCH, DIM).requires_grad_()
+        tracker = AllocationTracker("cpu")
+        with tracker:
+            gather_and_back(x)
+    return tracker.peak_bytes
+
+
+def _measure_gather():
+    x = torch.randn(BATCH, DIM).requires_grad_()
+    peaks = []
+    for _ in range(REPEATS):
+        x.grad = None
+        peaks.append(measured_peak_bytes(lambda: gather_and_back(x), "cpu"))
+    return max(peaks)
+
+
 def measure_on_rank(rank, world_size):
-    """Runs on every rank of a gloo group (tests/dist_utils.run_group): {case name: measured peak}
-    of the cases for this world size, and the message of plan_memory's refusal in a process whose
-    default group is initialised (None if it planned)."""
+    """Runs on every rank of a gloo group (tests/dist_utils.run_group): {"cases": {case name:
+    measured peak} of the cases for this world size, "gather": gather_and_back's measured peak,
+    "refusal": the message of plan_memory's refusal in a process whose default group is
+    initialised (None if it planned)}."""
     try:
         CASES[0].plan(max(world_size, 2))  # (a plan for one process needs no process group)
         refusal = None
     except RuntimeError as error:
         refusal = str(error)
-    return {case.name: case.measure(rank, world_size) for case in CASES if case.runs_in(world_size)}, refusal
+    return {"cases": {case.name: case.measure(rank, world_size) for case in CASES if case.runs_in(world_size)},
+            "gather": _measure_gather(), "refusal": refusal}
