@@ -113,7 +113,8 @@ def test_a_process_that_planned_can_fork_children_that_train():
     """A fresh interpreter (this one has run backwards long before): plan, then fork a child whose
     backward must run (autograd refuses in a fork of a process with its device threads started)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    result = subprocess.run([sys.executable, "-c", _PLAN_THEN_FORK], capture_output=True, text=True, timeout=120, env=env)
+    result = subprocess.run([sys.executable, "-c", _PLAN_THEN_FORK], capture_output=True, text=True, timeout=120,
+                            env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "child exit code 0" in result.stdout, result.stderr[-3000:]
 
