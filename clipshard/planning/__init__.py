@@ -8,7 +8,7 @@ __all__ = ["MemoryPlan", "format_bytes", "plan_memory"]
 
 
 def plan_memory(loss, *, world_size, batch_size, dim=None, dtype=None, hard_negatives=0, sample_ids=False,
-                device="cuda", teacher_dim=None, optimizer=None, autocast=None, inputs=None, model=None,
+                targets=None, device="cuda", teacher_dim=None, optimizer=None, autocast=None, inputs=None, model=None,
                 batch_on_device=True):
     """One rank's peak memory of the loss's forward + backward (or of a GradCache step), planned.
 
@@ -21,7 +21,8 @@ def plan_memory(loss, *, world_size, batch_size, dim=None, dtype=None, hard_nega
         dtype: the features' dtype (torch dtype or 'fp32', 'fp16', 'bf16', 'fp64'; default fp32; a
             loss only: a GradCache step's dtypes are the model's, under `autocast`).
         hard_negatives: hard negatives per rank (H x D, like the texts); 0 for none (a loss only).
-        sample_ids: plan the call with sample ids (the loss's default targets).
+        sample_ids: plan the call with sample ids.
+        targets: with sample_ids, the call's targets ("mask" or "multi"; None: the loss's default).
         device: 'cuda' or 'cpu': whose kernels and workspace defaults the plan uses.
         teacher_dim: DistillClipLoss: the teacher's feature size (default: dim).
     A GradCache step only:
@@ -58,4 +59,4 @@ def plan_memory(loss, *, world_size, batch_size, dim=None, dtype=None, hard_nega
     from clipshard.planning.loss_plan import plan_loss
     return plan_loss(loss, world_size=world_size, batch_size=batch_size, dim=dim,
                      dtype=torch.float32 if dtype is None else dtype, hard_negatives=hard_negatives,
-                     sample_ids=sample_ids, device=device, teacher_dim=teacher_dim)
+                     sample_ids=sample_ids, targets=targets, device=device, teacher_dim=teacher_dim)

@@ -44,12 +44,16 @@ def fake_process_group(world_size):
         dist.destroy_process_group()
 
 
-def _start_autograd_outside_fake_mode():
-    """Autograd's engine starts its device threads once, at the first backward of the process.
-    Started inside a FakeTensorMode it starts them even on a machine without an accelerator, and a
-    process with such threads cannot fork a child that runs backward (forked ranks, DataLoader-style
-    workers). A real backward outside the mode starts the engine with the machine's own devices."""
-    torch.ones((), requires_grad=True).backward()
+def _settle_autograd_threads():
+    """Autograd starts its per-device worker threads once, at a process's first backward, for the
+    devices that torch reports then; a forked child of a process with such threads refuses to run
+    a backward. On a machine without a usable GPU, FakeTensorMode installs a no-op CUDA device guard
+    that reports a device, so a process whose first backward came during or after a plan would start
+    a CUDA worker thread for nothing, and its fork-based children (torch.multiprocessing, forked
+    ranks) could not train. One real CPU backward before the plan starts the threads as they are
+    without it (none on such a machine); after a process's first backward it changes nothing."""
+    with torch.enable_grad():
+        torch.ones((), requires_grad=True).mul(1.0).backward()
 
 
 @contextlib.contextmanager
@@ -57,7 +61,7 @@ def fake_world(world_size, device_type):
     """Fake tensors (made in the block on the CPU; see planned_device for why) on a fake group of
     `world_size` ranks (none for a world of 1), with the rules of `device_type`. Yields the
     FakeTensorMode."""
-    _start_autograd_outside_fake_mode()
+    _settle_autograd_threads()
     group = fake_process_group(world_size) if world_size > 1 else contextlib.nullcontext()
     with group, equal_shards(), rules_of(device_type), FakeTensorMode() as mode:
         yield mode

@@ -48,6 +48,20 @@ def positive_int(fn, name, value, least=1):
     return value
 
 
+def check_targets(fn, targets, sample_ids):
+    if targets not in (None, "mask", "multi"):
+        raise ValueError(f"{fn}: targets must be None, 'mask' or 'multi', got {targets!r}")
+    if targets is not None and not sample_ids:
+        raise ValueError(f"{fn}: targets={targets!r} needs sample_ids=True (the targets are defined by the ids)")
+
+
+def check_loss(fn, loss):
+    """Before the loss is copied into the fake world: anything else has no loss call to plan."""
+    if not isinstance(loss, (ClipLoss, SigLipLoss, DistillClipLoss)):
+        raise TypeError(f"{fn}: loss must be a clipshard ClipLoss, SigLipLoss or DistillClipLoss, "
+                        f"got {type(loss).__name__}")
+
+
 def _in_world(loss, world_size):
     """A shallow copy of the loss that acts as rank 0 of the fake default group (its own group,
     rank and world_size arguments replaced), leaving the caller's loss as it was."""
@@ -60,7 +74,7 @@ def _leaf(shape, dtype, requires_grad=True):
     return torch.empty(shape, dtype=dtype).requires_grad_(requires_grad)
 
 
-def _loss_call(loss, batch, dim, dtype, hard_negatives, sample_ids, teacher_dim):
+def _loss_call(loss, batch, dim, dtype, hard_negatives, sample_ids, targets, teacher_dim):
     """(the function that runs the loss's forward + backward, its input tensors) for a fake world."""
     image, text = _leaf((batch, dim), dtype), _leaf((batch, dim), dtype)
     scale = _leaf((), torch.float32)
@@ -69,19 +83,17 @@ def _loss_call(loss, batch, dim, dtype, hard_negatives, sample_ids, teacher_dim)
         extras["hard_negatives"] = _leaf((hard_negatives, dim), dtype)
     if sample_ids:
         extras["sample_ids"] = torch.empty(batch, dtype=torch.int64)
+        extras["targets"] = targets
     if isinstance(loss, DistillClipLoss):
         if extras:
-            raise ValueError("plan_memory: DistillClipLoss takes neither hard_negatives nor sample_ids")
+            raise ValueError("plan_memory: DistillClipLoss takes neither hard_negatives nor sample_ids (nor targets)")
         teacher = (torch.empty(batch, teacher_dim, dtype=dtype), torch.empty(batch, teacher_dim, dtype=dtype),
                    torch.empty((), dtype=torch.float32))
         return lambda: loss(image, text, scale, *teacher), (image, text, scale, *teacher)
     if isinstance(loss, SigLipLoss):
         bias = _leaf((), torch.float32)
         return lambda: loss(image, text, scale, bias, **extras), (image, text, scale, bias, *extras.values())
-    if isinstance(loss, ClipLoss):
-        return lambda: loss(image, text, scale, **extras), (image, text, scale, *extras.values())
-    raise TypeError(f"plan_memory: loss must be a clipshard ClipLoss, SigLipLoss, DistillClipLoss or GradCache, "
-                    f"got {type(loss).__name__}")
+    return lambda: loss(image, text, scale, **extras), (image, text, scale, *extras.values())  # a ClipLoss
 
 
 def _summed(value):
@@ -106,7 +118,7 @@ def plan_call(make_call, *, world_size, device_type, setting):
     return MemoryPlan(tracker.peak_bytes, allocations, setting, time.perf_counter() - start)
 
 
-def plan_loss(loss, *, world_size, batch_size, dim, dtype, hard_negatives, sample_ids, device, teacher_dim):
+def plan_loss(loss, *, world_size, batch_size, dim, dtype, hard_negatives, sample_ids, targets, device, teacher_dim):
     """The MemoryPlan of one rank's forward + backward of `loss` (see clipshard.plan_memory)."""
     fn = "plan_memory"
     positive_int(fn, "world_size", world_size)
@@ -116,13 +128,16 @@ def plan_loss(loss, *, world_size, batch_size, dim, dtype, hard_negatives, sampl
     teacher_dim = dim if teacher_dim is None else positive_int(fn, "teacher_dim", teacher_dim)
     dtype = planned_dtype(fn, dtype)
     device_type = planned_device_type(fn, device)
+    check_targets(fn, targets, sample_ids)
+    check_loss(fn, loss)
 
     def make_call():
         forward, inputs = _loss_call(_in_world(loss, world_size), batch_size, dim, dtype, hard_negatives,
-                                     bool(sample_ids), teacher_dim)
+                                     bool(sample_ids), targets, teacher_dim)
         return (lambda: _summed(forward()).backward()), inputs
 
     setting = [("loss", type(loss).__name__), ("mode", getattr(loss, "mode", None)), ("world_size", world_size),
                ("batch_size", batch_size), ("dim", dim), ("dtype", str(dtype).removeprefix("torch.")),
-               ("hard_negatives", hard_negatives), ("sample_ids", bool(sample_ids)), ("device", device_type)]
+               ("hard_negatives", hard_negatives), ("sample_ids", bool(sample_ids)), ("targets", targets),
+               ("device", device_type)]
     return plan_call(make_call, world_size=world_size, device_type=device_type, setting=setting)

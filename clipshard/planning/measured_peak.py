@@ -3,7 +3,8 @@
 CUDA: the caching allocator's peak of bytes allocated, above what was allocated before the call.
 CPU: torch.profiler's allocation records (every allocation and free of torch's CPU allocator, with
 its time), replayed in time order; the largest running sum is the peak above the start. Both count
-what torch allocates; a backend's own buffers (gloo's, NCCL's) are not torch allocations.
+what torch allocates: a backend's staging buffers when it makes them as torch tensors (gloo's
+reduce-scatter and all-gather do), not the memory it holds by other means (NCCL's channels).
 """
 import contextlib
 import os
