@@ -1,11 +1,13 @@
 // Internal ops that answer which compiled CUDA kernel variant a call would run, by the very rules
 // the CUDA launchers use (clipshard/launch_rules.h, csrc/chunked/forward_rows.h). They take sizes,
 // not tensors, and run on any machine: the first-use check (clipshard/ops/first_use.py) keys its
-// verdicts by their answers and builds each probe so that it runs the variant it checks.
+// verdicts by their answers and builds each probe so that it runs the variant it checks. One more
+// sizing rule of the chunk driver is answered the same way, for the memory planner's workspace rules.
 #include <torch/library.h>
 
 #include <vector>
 
+#include "chunked/chunk_driver.h"
 #include "chunked/forward_rows.h"
 #include "clipshard/launch_rules.h"
 
@@ -32,6 +34,8 @@ std::vector<int64_t> distill_launch_teachers_op(int64_t teachers) {
   return counts;
 }
 
+int64_t column_buffer_rows_op(int64_t m, int64_t width) { return chunked::column_buffer_rows(m, width); }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(clipshard, m) {
@@ -41,4 +45,7 @@ TORCH_LIBRARY_FRAGMENT(clipshard, m) {
   m.def("_siglip_ids_rows_per_cta(int rows, int multiprocessors) -> int", &siglip_ids_rows_per_cta_op);
   // Teachers per launch of distill_forward_kernel<n> for T teachers: the distinct n, in launch order.
   m.def("_distill_launch_teachers(int teachers) -> int[]", &distill_launch_teachers_op);
+  // Columns per block of the chunk driver's fp32 buffer of the columns' gradient, for M rows and
+  // chunks of at most `width` columns (GradientAccumulator in csrc/chunked/chunk_driver.h).
+  m.def("_column_buffer_rows(int m, int width) -> int", &column_buffer_rows_op);
 }

@@ -8,6 +8,8 @@ csrc/include/clipshard/launch_rules.h; the launchers call them, and so do the in
 torch.ops.clipshard._chunked_forward_rows_per_cta, _siglip_ids_rows_per_cta and
 _distill_launch_teachers that this module wraps, on any machine. The first-use check
 (clipshard/ops/first_use.py) keys its verdicts by these answers and builds problems that reach them.
+One sizing rule of the chunk driver is answered the same way (column_buffer_rows, for the memory
+planner's workspace rules).
 """
 import contextlib
 import os
@@ -34,6 +36,13 @@ def distill_launch_teachers(teachers):
     """The distinct teachers-per-launch of the distillation forward for T teachers, in launch order:
     (1,), (2,) or (2, 1)."""
     return tuple(int(n) for n in torch.ops.clipshard._distill_launch_teachers(teachers))
+
+
+def column_buffer_rows(m, width):
+    """Columns per block of the chunk driver's fp32 buffer of the columns' gradient (GradientAccumulator,
+    csrc/chunked/chunk_driver.h) for m rows and chunks of at most `width` columns: m rounded down to
+    a multiple of 128, at least 128, at most width."""
+    return int(torch.ops.clipshard._column_buffer_rows(m, width))
 
 
 _multiprocessor_counts = {}

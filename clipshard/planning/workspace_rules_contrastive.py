@@ -213,15 +213,18 @@ def _cuda_backward(grad_row_lse, grad_pos_logit, grad_col_lse, rows, cols, scale
     chunks = min(-(-k // kc), CUDA_CHUNK_GROUP)
     # chunked_gradients with grad_dtype = the features' dtype: GradientAccumulator's grad_rows_ (fp32
     # zeros, returned as .to(dtype)), grad_cols_ (the output itself) and, unless fp32 (direct_),
-    # its fp32 chunk buffer of grad_cols; rows_buffer_ is assumed absent (addmm.dtype_out takes an
-    # fp32 accumulator with 16-bit factors on CUDA: addmm_accepts_fp32_accumulator).
+    # its fp32 buffer of grad_cols, column_buffer_rows(M, kc) columns (the driver's own rule);
+    # rows_buffer_ is assumed absent (addmm.dtype_out takes an fp32 accumulator with 16-bit factors
+    # on CUDA: addmm_accepts_fp32_accumulator).
+    buffer_rows = launch_variants.column_buffer_rows(m, kc)
     fixed = held + [
         ("fp16 gradient pre-scale", _nbytes(_F32, 2) if dtype == torch.float16 else 0),
         (f"per-CTA partial sums of d scale and d bias ({chunks} chunks x {slots} CTAs x 2)",
          _nbytes(_F32, 2, chunks, slots)),
         ("fp64 totals of d scale and d bias", 2 * _nbytes(torch.float64, 1)),
         (f"chunk of logit gradients (M x {kc} {_name(dtype)})", _nbytes(dtype, m, kc)),
-        (f"fp32 chunk buffer of the columns' gradient ({kc} x D)", 0 if dtype == _F32 else _nbytes(_F32, kc, d))]
+        (f"fp32 buffer of the columns' gradient ({buffer_rows} x D)",
+         0 if dtype == _F32 else _nbytes(_F32, buffer_rows, d))]
     similarities = (f"chunk of raw similarities (M x {kc} fp32)", _nbytes(_F32, m, kc))  # for_each_chunk's
     def rows_gradient(output_made):
         return _accumulator("the rows' gradient (M x D)", (m, d), _F32, dtype, output_made)

@@ -24,6 +24,7 @@ import torch
 
 from clipshard.ops import chunk_columns
 from clipshard.ops.inputs import accumulate_dtype
+from clipshard.ops.launch_variants import column_buffer_rows
 from clipshard.planning.workspace_rules_contrastive import cuda_multiprocessors
 from clipshard.planning.workspace_timeline import at_peak, conversions, converted_copy_bytes, dtype_name, nbytes, \
     per_device
@@ -214,13 +215,15 @@ def _fp16_prescale_phase(rows, cols):
 
 
 def _gradient_accumulator(name, M, K, D, kc, grad_dtype, prescaled):
-    """chunked::GradientAccumulator with out_dtype float32: grad_rows_ and grad_cols_ in fp32, a
-    kc x D fp32 column buffer unless the logit gradients are fp32 and not prescaled (direct_)."""
+    """chunked::GradientAccumulator with out_dtype float32: grad_rows_ and grad_cols_ in fp32, an
+    fp32 column buffer of column_buffer_rows(M, kc) x D (the driver's own rule) unless the logit
+    gradients are fp32 and not prescaled (direct_)."""
     f32 = torch.float32
-    buffer = nbytes(kc * D, f32) if grad_dtype != f32 or prescaled else 0
+    buffer_rows = column_buffer_rows(M, kc)
+    buffer = nbytes(buffer_rows * D, f32) if grad_dtype != f32 or prescaled else 0
     return [(f"{name} row gradient accumulator {M} x {D} float32", nbytes(M * D, f32)),
             (f"{name} column gradient accumulator {K} x {D} float32", nbytes(K * D, f32)),
-            (f"{name} column gradient buffer {kc} x {D} float32", buffer)]
+            (f"{name} column gradient buffer {buffer_rows} x {D} float32", buffer)]
 
 
 def _scaled_gradients(name, M, K, D, dtype):

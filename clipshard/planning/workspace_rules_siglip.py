@@ -24,6 +24,7 @@ import torch
 
 from clipshard.ops import chunk_columns
 from clipshard.ops.inputs import accumulate_dtype
+from clipshard.ops.launch_variants import column_buffer_rows
 from clipshard.planning.workspace_timeline import at_peak, contiguous_copy_bytes, conversions, converted_copy_bytes, \
     dtype_name, nbytes, per_device
 
@@ -93,13 +94,14 @@ def siglip_forward_cuda(rows, cols, scale, bias, pos_offset, row_ids, col_ids, m
     if fp16:  # fp16_prescale: (prescale, unscale) kept; its ones / zeros inputs freed on return
         base.append(("fp16 gradient prescale (2,) float32", nbytes(2, f32)))
     # GradientAccumulator(rows, cols, kc, grad_dtype, unscale, saved): grad_rows_ fp32 zeros (the
-    # output when saved is fp32), grad_cols_ in saved (the output), an fp32 kc x D column buffer
-    # unless fp32 without prescale (direct_)
+    # output when saved is fp32), grad_cols_ in saved (the output), an fp32 column buffer of
+    # column_buffer_rows(M, kc) x D (the driver's own rule) unless fp32 without prescale (direct_)
     grad_rows_is_output = saved == f32
     accumulators = [] if grad_rows_is_output else [(f"row gradient accumulator {M} x {D} float32",
                                                     nbytes(M * D, f32))]
     if grad_dtype != f32:
-        accumulators.append((f"column gradient buffer {kc} x {D} float32", nbytes(kc * D, f32)))
+        buffer_rows = column_buffer_rows(M, kc)
+        accumulators.append((f"column gradient buffer {buffer_rows} x {D} float32", nbytes(buffer_rows * D, f32)))
     grad_workspace = (f"logit-gradient chunk {M} x {kc} {dtype_name(grad_dtype)}", nbytes(M * kc, grad_dtype))
     grad_cols_bytes = nbytes(K * D, saved)
     loop_outputs = grad_cols_bytes + (nbytes(M * D, saved) if grad_rows_is_output else 0)

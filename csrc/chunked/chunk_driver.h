@@ -5,7 +5,7 @@
 // 16-bit inputs go through ATen's out_dtype GEMM, so the similarities are never rounded to 16
 // bits); a loss-specific callback then reads the chunk. The gradient pass adds two GEMMs per
 // chunk: grad_rows += dlogits @ cols_chunk (an fp32 accumulator, beta = 1) and
-// grad_cols[chunk] = dlogits^T @ rows. Memory beyond inputs and outputs is O(M x kc), never
+// grad_cols[chunk] = dlogits^T @ rows. Memory beyond inputs and outputs is O(M x kc + M x D), never
 // O(M x K); everything runs on the current stream with no host synchronisation.
 //
 // Device-agnostic on purpose: the GEMMs are ATen calls, so the same driver runs on the CPU (where
@@ -63,6 +63,18 @@ inline int64_t chunk_columns(int64_t M, int64_t K, int64_t bytes_per_logit, int6
   return std::min(K, std::max(fit / kColumnQuantum * kColumnQuantum, kColumnQuantum));
 }
 
+// Rows of GradientAccumulator's buffer of the columns' gradient (rows x D in the accumulator's
+// dtype), for M rows and chunks of at most width_max columns: M rounded down to a multiple of
+// kColumnQuantum, at least kColumnQuantum and at most width_max. The chunk width answers to the
+// M x kc logit budget alone, so a small M with a large K (exchange mode over many ranks) would make
+// a whole-chunk kc x D buffer dwarf everything else; bounded by M, the buffer is never larger than
+// the rows' accumulator grad_rows_ (M x D, same dtype) that the call holds anyway, except below
+// M = kColumnQuantum, where one quantum (kColumnQuantum x D) keeps each column GEMM a useful size.
+inline int64_t column_buffer_rows(int64_t M, int64_t width_max) {
+  TORCH_CHECK(M > 0 && width_max > 0, "column_buffer_rows: need M, width_max >= 1, got ", M, ", ", width_max);
+  return std::min(width_max, std::max(M / kColumnQuantum * kColumnQuantum, kColumnQuantum));
+}
+
 // Columns [begin, begin + width) of the similarity matrix.
 struct Chunk {
   int64_t begin;
@@ -117,9 +129,13 @@ class GradientAccumulator {
     grad_rows_ = at::zeros({M, D}, rows.options().dtype(acc_));
     grad_cols_ = at::empty({K, D}, rows.options().dtype(out_));
     // grad_cols chunks go straight into the output when no conversion or unscaling is needed; else
-    // through an fp32 chunk buffer (16-bit outputs are then rounded once, from fp32).
+    // through an fp32 buffer of column_buffer_rows columns, a chunk's columns a block at a time
+    // (16-bit outputs are then rounded once, from fp32).
     direct_ = !unscale.defined() && grad_dtype == acc_ && out_ == acc_;
-    if (!direct_) cols_buffer_ = at::empty({width_max * D}, rows.options().dtype(acc_));
+    if (!direct_) {
+      buffer_rows_ = column_buffer_rows(M, width_max);
+      cols_buffer_ = at::empty({buffer_rows_ * D}, rows.options().dtype(acc_));
+    }
     // 16-bit dlogits where torch's addmm.dtype_out refuses an fp32 accumulator with 16-bit factors:
     // the rows' gradient of a chunk goes through an fp32 M x D buffer and is then added (the extra
     // M x D traffic is a few % of the chunk's GEMMs).
@@ -144,10 +160,15 @@ class GradientAccumulator {
       at::mm_out(cols_out, dlogits.t(), rows_);
       return;
     }
-    at::Tensor buffer = workspace_view(cols_buffer_, width, rows_.size(1));
-    mm_into(buffer, dlogits.t(), rows_);
-    if (unscale_.defined()) buffer.mul_(unscale_);
-    cols_out.copy_(buffer);
+    // Each column's gradient is still one GEMM dot over the M rows; only the GEMM's column range
+    // is cut into blocks of at most buffer_rows_.
+    for (int64_t first = 0; first < width; first += buffer_rows_) {
+      const int64_t n = std::min(buffer_rows_, width - first);
+      at::Tensor buffer = workspace_view(cols_buffer_, n, rows_.size(1));
+      mm_into(buffer, dlogits.narrow(1, first, n).t(), rows_);
+      if (unscale_.defined()) buffer.mul_(unscale_);
+      cols_out.narrow(0, first, n).copy_(buffer);
+    }
   }
 
   std::pair<at::Tensor, at::Tensor> finish() {
@@ -159,6 +180,7 @@ class GradientAccumulator {
   at::Tensor rows_, cols_;
   at::ScalarType grad_dtype_, acc_, out_;
   at::Tensor unscale_, grad_rows_, grad_cols_, cols_buffer_, rows_buffer_;
+  int64_t buffer_rows_ = 0;  // columns per block of the buffered column gradient (0 when direct_)
   bool direct_, buffered_rows_;
 };
 

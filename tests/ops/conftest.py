@@ -3,7 +3,16 @@ that the CPU checks the choices a GPU makes."""
 import pytest
 import torch
 
+import clipshard  # noqa: F401  (registers torch.ops.clipshard_testing.*)
 from clipshard.ops import _algorithm, _portable_chunks
+
+
+@torch.library.register_fake("clipshard_testing::chunked_gradients")
+def _chunked_gradients_fake(rows, cols, dlogits, unscale, out_dtype, chunk_columns):
+    """The test op's outputs (csrc/chunked/gradient_accumulator_testing_op.cpp): M x D and K x D in
+    out_dtype, else the features' dtype."""
+    dtype = out_dtype or rows.dtype
+    return rows.new_empty(rows.shape, dtype=dtype), cols.new_empty(cols.shape, dtype=dtype)
 
 
 @pytest.fixture

@@ -168,6 +168,13 @@ def _distill_lse_backward(device):
     return cases
 
 
+def _chunked_gradients(device):
+    rows, cols = _features(20, 6, torch.float32, device, 40), _features(300, 6, torch.float32, device, 41)
+    dlogits = _features(20, 300, torch.float32, device, 42)
+    return [(rows, cols, dlogits, torch.tensor(0.5, device=device), None, 128),
+            (rows, cols, dlogits, None, torch.bfloat16, 300)]
+
+
 # qualified op name: a function (device) -> the argument tuples to check
 CASES = {
     "clipshard::stochastic_round": _stochastic_round,
@@ -178,6 +185,8 @@ CASES = {
     "clipshard::_chunked_forward_rows_per_cta": lambda device: [(67,), (1 << 22,)],
     "clipshard::_siglip_ids_rows_per_cta": lambda device: [(67, 132), (4217, 132)],
     "clipshard::_distill_launch_teachers": lambda device: [(1,), (3,)],
+    "clipshard::_column_buffer_rows": lambda device: [(300, 20000), (5, 100)],  # the chunk driver's sizing rule
+    "clipshard_testing::chunked_gradients": _chunked_gradients,
     "clipshard::adamw_step_": _adamw_step,
     "clipshard::contrastive_lse_forward": _contrastive_lse_forward,
     "clipshard::contrastive_lse_backward": _contrastive_lse_backward,
@@ -185,9 +194,9 @@ CASES = {
     "clipshard::distill_lse": _distill_lse,
     "clipshard::distill_lse_backward": _distill_lse_backward,
 }
-# philox_words is a CPU test helper; every other op has a CUDA kernel or (the addmm probe, the launch
-# rules) a CUDA answer.
-CUDA_CASES = sorted(set(CASES) - {"clipshard_testing::philox_words"})
+# philox_words and chunked_gradients are CPU test helpers; every other op has a CUDA kernel or (the
+# addmm probe, the launch and sizing rules) a CUDA answer.
+CUDA_CASES = sorted(set(CASES) - {"clipshard_testing::philox_words", "clipshard_testing::chunked_gradients"})
 
 
 def _opcheck(name, device):

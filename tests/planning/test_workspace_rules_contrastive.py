@@ -200,7 +200,7 @@ def test_cuda_chunked_rules_by_hand(h100_launch_rules):
         2 * 3 * 160 * 4,  # partial sums of d scale, d bias
         2 * 8,  # their fp64 totals
         1000 * 1280 * 2,  # bf16 logit gradients
-        1280 * 96 * 4,  # fp32 chunk buffer of the columns' gradient
+        896 * 96 * 4,  # fp32 buffer of the columns' gradient: 1000 rows -> blocks of 896 columns
         1000 * 96 * (4 - 2),  # fp32 rows' gradient beyond its bf16 output
         1000 * 1280 * 4]  # fp32 similarity chunk
     # fp32 with a bias, a narrow budget (kc = 128): no column buffer, the accumulator is the output;
@@ -222,8 +222,24 @@ def test_cuda_chunked_rules_by_hand(h100_launch_rules):
         2 * 2 * 32 * 1 * 4,  # 2 chunks of 128 columns
         2 * 8,  # fp64 totals
         1000 * 128 * 2,  # fp16 logit gradients
-        128 * 768 * 4,  # fp32 chunk buffer of the columns' gradient
+        128 * 768 * 4,  # fp32 buffer of the columns' gradient: the whole 128-column chunk
         1000 * 768 * 4]  # the whole fp32 rows' accumulator
+
+
+def _column_buffer(args):
+    return [n for what, n in kernel_workspaces.internal_allocations(BACKWARD.default, "cuda", args, {})
+            if "buffer of the columns' gradient" in what]
+
+
+@pytest.mark.parametrize("m,rows", [(300, 256), (100, 128)])
+def test_cuda_column_gradient_buffer_is_bounded_by_the_rows(h100_launch_rules, m, rows):
+    """A small M and a large K (exchange mode over many ranks): CUDA's 256 MiB budget makes one chunk
+    of all K = 20000 columns, but the fp32 buffer of the columns' gradient holds blocks of M rounded
+    down to 128 columns (at least 128), not the chunk's 20000 x D."""
+    backward = op_arguments("cpu", torch.bfloat16, m, 20000, 64, "chunked", workspace_bytes=256 << 20)[1]
+    assert _column_buffer(backward) == [rows * 64 * 4]
+    assert launch_variants.column_buffer_rows(m, 20000) == rows
+    assert launch_variants.column_buffer_rows(1000, 300) == 300  # never wider than a chunk
 
 
 def test_cuda_chunked_partial_sums_are_bounded_by_the_chunk_group(h100_launch_rules):

@@ -104,19 +104,21 @@ def test_siglip_forward_cpu_rule_with_ids_and_several_chunks(dtype, ids):
 def test_siglip_forward_cuda_rule_bf16_by_hand():
     """bf16 with_grad, M=300, K=1000, D=96, the default 256 MiB: one chunk of all 1000 columns. The
     chunk loop holds the per-row fp64 accumulators, the fp32 similarities, the bf16 logit
-    gradients, the GradientAccumulator's fp32 row gradient and fp32 column buffer, and the bf16
-    grad_cols output; the bf16 grad_rows output is made after the loop (the planner counts it)."""
+    gradients, the GradientAccumulator's fp32 row gradient and fp32 column buffer (blocks of 256
+    columns: M = 300 rounded down to 128, not the chunk's 1000), and the bf16 grad_cols output; the
+    bf16 grad_rows output is made after the loop (the planner counts it)."""
     args = _siglip_args(torch.bfloat16, True)[:-1] + (256 << 20,)
-    loop = 3 * 300 * 8 + 300 * 1000 * 4 + 300 * 1000 * 2 + 300 * 96 * 4 + 1000 * 96 * 4 + 1000 * 96 * 2
+    loop = 3 * 300 * 8 + 300 * 1000 * 4 + 300 * 1000 * 2 + 300 * 96 * 4 + 256 * 96 * 4 + 1000 * 96 * 2
     outputs = (300 + 1000) * 96 * 2
     assert sum(n for _, n in siglip_forward_cuda(*args)) == loop - outputs
 
 
 def test_siglip_forward_cuda_rule_fp16_by_hand():
     """fp16 with_grad, same shape: the saved gradients are fp32, so the accumulators are the outputs
-    (alive in the loop); the fp16 logit gradients are prescaled, so the column buffer is used too."""
+    (alive in the loop); the fp16 logit gradients are prescaled, so the column buffer (256 columns)
+    is used too."""
     args = _siglip_args(torch.float16, True)[:-1] + (256 << 20,)
-    loop = 3 * 300 * 8 + 2 * 4 + 300 * 1000 * 4 + 300 * 1000 * 2 + 1000 * 96 * 4  # (prescale, unscale): 2 x 4
+    loop = 3 * 300 * 8 + 2 * 4 + 300 * 1000 * 4 + 300 * 1000 * 2 + 256 * 96 * 4  # (prescale, unscale): 2 x 4
     assert sum(n for _, n in siglip_forward_cuda(*args)) == loop
 
 
@@ -190,8 +192,8 @@ def test_distill_lse_backward_cuda_rule_by_hand():
     base = (2 * 2 * 4  # unit prescales
             + 300 * 1000 * 4 * 2  # student's and teacher's fp32 similarity chunks
             + 300 * 1000 * 2 * 2  # their bf16 logit-gradient chunks
-            + (300 * 96 + 1000 * 96 + 1000 * 96) * 4  # student GradientAccumulator: rows, cols, column buffer
-            + (300 * 64 + 1000 * 64 + 1000 * 64) * 4)  # teacher's
+            + (300 * 96 + 1000 * 96 + 256 * 96) * 4  # student GradientAccumulator: rows, cols, column buffer
+            + (300 * 64 + 1000 * 64 + 256 * 64) * 4)  # teacher's (buffers of M = 300 rounded down to 128 columns)
     student_return = base + (300 + 1000) * 96 * 4 + (300 + 1000) * 96 * 2  # fp32 products + bf16 outputs
     outputs = (300 + 1000) * 96 * 2 + (300 + 1000) * 64 * 2 + 4
     assert sum(n for _, n in distill_lse_backward_cuda(*args)) == student_return - outputs
