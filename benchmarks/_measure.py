@@ -82,42 +82,11 @@ def time_repeats(fn, device, repeats, warmup=1):
 
 # --- memory -------------------------------------------------------------------------------------
 
-def _walk(nodes):
-    for node in nodes:
-        yield node
-        yield from _walk(node.children)
-
-
-def _cpu_peak_bytes(fn):
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = prof.profiler.kineto_results.experimental_event_tree()
-    changes = sorted((e.start_time_ns, e.extra_fields.alloc_size) for e in _walk(events)
-                     if e.tag == _EventType.Allocation)
-    live = peak = 0
-    for _, size in changes:
-        live += size
-        peak = max(peak, live)
-    return peak
-
-
-def _cuda_peak_bytes(fn, device):
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    fn()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - base
-
-
 def peak_memory_bytes(fn, device):
-    """Peak bytes allocated by fn() beyond those live when it starts (see the module docstring)."""
-    if torch.device(device).type == "cuda":
-        return _cuda_peak_bytes(fn, device)
-    return _cpu_peak_bytes(fn)
+    """Peak bytes allocated by fn() beyond those live when it starts (see the module docstring):
+    clipshard's measurement, the one its memory plans are checked against."""
+    from clipshard.planning.measured_peak import measured_peak_bytes
+    return measured_peak_bytes(fn, device)
 
 
 # --- output -------------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ open_clip = pytest.importorskip("open_clip", reason="open_clip is not installed:
 
 import clipshard  # noqa: E402
 from clipshard.planning import plan_memory  # noqa: E402
-from clipshard.planning.measured_peak import measured_peak_bytes  # noqa: E402
 from tests.dist_utils import run_group  # noqa: E402
 from tests.planning import two_tower  # noqa: E402
 
@@ -47,16 +46,7 @@ def _measured(optimizer, autocast=None, siglip=False, parameters_mode=False):
     images, texts = torch.randn(BATCH, 3, 32, 32, generator=generator), torch.randint(1, 1000, (BATCH, 16),
                                                                                        generator=generator)
 
-    def two_steps():
-        for _ in range(2):
-            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
-                loss = cache(images, texts)
-            loss.backward()
-            del loss
-            built.step()
-            built.zero_grad(set_to_none=True)
-
-    return measured_peak_bytes(two_steps, "cpu")
+    return two_tower.measured_two_steps(cache, built, images, texts, autocast)
 
 
 def _planned_step(plan):

@@ -1,11 +1,27 @@
 """A small two-tower model that is not open_clip's (an MLP over 8 x 8 images, a token embedding
 and an MLP over texts), its inputs for plan_memory's `inputs=`, and its measured GradCache step on
-a rank: the 2-rank test of tests/planning/test_step_plan.py."""
+a rank: the 2-rank test of tests/planning/test_step_plan.py; and the measured two steps every
+test there compares its plan with."""
 import torch
 import torch.nn.functional as F
 
 import clipshard
 from clipshard.planning.measured_peak import measured_peak_bytes
+
+
+def measured_two_steps(step, optimizer, images, texts, autocast=None):
+    """The measured peak of two real GradCache steps (forward under `autocast` if given, backward,
+    optimizer step, gradients set to None), above what is allocated when they start."""
+    def two_steps():
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=autocast, enabled=autocast is not None):
+                loss = step(images, texts)
+            loss.backward()
+            del loss
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return measured_peak_bytes(two_steps, "cpu")
 
 BATCH, MICRO, TOKENS, VOCAB = 22, 4, 16, 300
 
@@ -40,12 +56,4 @@ def measured_on_rank(rank, world_size):
     step, optimizer = cache(model), clipshard.optim.AdamW(model.parameters())
     images, texts = torch.randn(BATCH, 3, 8, 8), torch.randint(0, VOCAB, (BATCH, TOKENS))
 
-    def two_steps():
-        for _ in range(2):
-            loss = step(images, texts)
-            loss.backward()
-            del loss
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-    return measured_peak_bytes(two_steps, "cpu")
+    return measured_two_steps(step, optimizer, images, texts)
