@@ -102,6 +102,7 @@ class _RingDistill(torch.autograd.Function):
         d_text = Travelling(ring, lambda total, part: part if total is None else total.add_(part))
         for step, block, packed in blocks(ring, text, companion):
             k = block.shape[0]
+            d_text.arrive()  # the accumulator of this block is in; the one sent on is freed
             teacher_block = _teacher_block(packed[:n_features], n_teachers, k).to(teacher_text.dtype)
             stats = packed[n_features:]
             c_lse, c_teacher_lse = stats[0], stats[1:1 + n_teachers]
@@ -129,7 +130,9 @@ class _RingDistill(torch.autograd.Function):
                 d_teacher_image += d_ti
                 d_teacher_scale += d_ts.double()
                 parts.append(d_tb.transpose(0, 1).reshape(k, -1).to(grad_dtype))
+            del d_i, d_b, d_ti, d_tb  # freed before the next accumulator's buffer is allocated
             d_text.fold(step, torch.cat(parts, dim=1))
+            del parts, block, packed, teacher_block, stats  # not alive when the next block's buffer is allocated
         total = d_text.result()
         d_teacher_text = (total[:, text.shape[1]:].reshape(m, n_teachers, -1).transpose(0, 1)
                           if teacher_grad else None)

@@ -107,6 +107,7 @@ def _ring_pass(image, text, scale, bias, layout, algorithm, weight=None, extras=
                         else total.addcmul_(part, weight))
     for step, block, ids in blocks(ring, own_block, own_ids):
         k = sizes[(layout.rank - step) % n]
+        d_text.arrive()  # the accumulator of this block is in; the one sent on is freed
         g_cols = []
         for loss, g_rows, g_part, g_scale, g_bias in _block_calls(image, block, ids, k, scale, bias, step, True,
                                                                   algorithm, extras):
@@ -118,7 +119,7 @@ def _ring_pass(image, text, scale, bias, layout, algorithm, weight=None, extras=
             g_cols.append(g_part)
             del g_rows, g_part
         d_text.fold(step, g_cols[0] if len(g_cols) == 1 else torch.cat(g_cols))
-        del g_cols  # not alive during the next block's work
+        del g_cols, block  # not alive during the next block's work (nor when its buffer is allocated)
     weight64 = weight.double()
     return total, (d_image, d_text.result(), d_scale * weight64, d_bias * weight64)
 
