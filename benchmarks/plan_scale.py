@@ -49,9 +49,6 @@ def main():
     parser.add_argument("--dim", type=int, default=768)
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--ranks", type=int, nargs="+", default=[8, 32, 256])
-    parser.add_argument("--open-clip-limit", type=int, default=1 << 22,
-                        help="largest global batch for which open_clip's loss is planned (its plan is as fast, "
-                             "but its figures beyond are only the arithmetic of its logits)")
     args = parser.parse_args()
     dtype = planned_dtype("plan_scale", args.dtype)
     started = time.perf_counter()
@@ -66,10 +63,7 @@ def main():
             common = dict(world_size=ranks, batch_size=local, dim=args.dim, dtype=dtype, device="cuda")
             ring = plan_memory(clipshard.ClipLoss(mode="ring"), **common)
             exchange = plan_memory(clipshard.ClipLoss(mode="exchange"), **common)
-            if total <= args.open_clip_limit:
-                open_clip = format_bytes(plan_open_clip(ranks, local, args.dim, dtype).peak_bytes)
-            else:
-                open_clip = "(not planned)"
+            open_clip = format_bytes(plan_open_clip(ranks, local, args.dim, dtype).peak_bytes)
             print(f"| {ranks} | {_label(total)} | {local} | {format_bytes(ring.peak_bytes)} | "
                   f"{format_bytes(exchange.peak_bytes)} | {open_clip} | {ring.plan_seconds:.1f} s |", flush=True)
     print(f"\nall plans: {time.perf_counter() - started:.0f} s")
