@@ -7,7 +7,7 @@ from collections.abc import Mapping
 import torch
 
 from clipshard.parallel import agreement
-from clipshard.parallel.planned_layout import tracing_a_plan
+from clipshard.ops.planned_device import tracing_a_plan
 
 FN = "GradCache"
 FEATURES = ("image_features", "text_features")

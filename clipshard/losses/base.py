@@ -23,7 +23,8 @@ from clipshard.ops.inputs import (SUPPORTED_DTYPES, TARGETS, FeaturePair, LossSc
 from clipshard.parallel import steady_state
 from clipshard.parallel.agreement import differing_values, exchange_rows, require_same
 from clipshard.parallel.layout import ShardLayout, metadata_device, process_group, single_process_layout
-from clipshard.parallel.planned_layout import planned_layout, tracing_a_plan
+from clipshard.ops.planned_device import tracing_a_plan
+from clipshard.parallel.planned_layout import planned_layout
 
 CLIP_MODES = ("exchange", "local", "ring")  # ClipLoss and DistillClipLoss
 SIGLIP_MODES = ("gather", "ring")

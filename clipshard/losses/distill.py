@@ -14,7 +14,7 @@ from clipshard.parallel import distill_exchange
 from clipshard.parallel import steady_state
 from clipshard.parallel.agreement import exchange_rows, require_same
 from clipshard.parallel.layout import metadata_device
-from clipshard.parallel.planned_layout import tracing_a_plan
+from clipshard.ops.planned_device import tracing_a_plan
 from clipshard.parallel.steady_state import check_validate
 
 

@@ -4,7 +4,9 @@ A plan traces the loss on fake CPU tensors whatever device it plans for (a fake 
 backward asks the CUDA driver for a context, which a machine without a GPU does not have). While a
 plan for CUDA traces, the decisions that depend on the device follow CUDA's rules instead of the
 CPU's: the algorithm "auto" picks (the CUDA kernels, which the plan assumes the GPU machine's build
-has) and the chunked kernels' default workspace budget. Outside a plan this module changes nothing.
+has) and the chunked kernels' default workspace budget. `tracing_a_plan()` is the one flag every
+planned branch of the package reads (the layout, the ranks' agreement checks, the seed draw).
+Outside a plan this module changes nothing.
 """
 import contextlib
 import contextvars
@@ -27,6 +29,13 @@ def rules_of(device_type):
 def planned_device_type():
     """The device type a plan being traced is for, or None outside a plan."""
     return _planned_device_type.get()
+
+
+def tracing_a_plan():
+    """Whether a memory plan is being traced. The decisions that read values across ranks then take
+    the ordinary training step's branch (every rank holds this rank's sizes and the same upstream
+    gradient), a check of this rank's inputs needs no exchange, and no random bits are drawn."""
+    return _planned_device_type.get() is not None
 
 
 def rules_device(device):

@@ -6,7 +6,7 @@ torch.Generator, so that torch.manual_seed makes runs reproducible and every cal
 """
 import torch
 
-from clipshard.ops.planned_device import planned_device_type
+from clipshard.ops.planned_device import tracing_a_plan
 
 _INT64_SPAN = 1 << 64
 # torch's own CUDA random ops key Philox with the generator's seed and put the thread index in the
@@ -28,7 +28,7 @@ def draw_seed_offset(device: torch.device, generator: torch.Generator | None = N
     which we then advance; both live on the host, so there is no host-device synchronisation. CPU: two 64-bit words drawn from
     the (Mersenne Twister) generator.
     """
-    if planned_device_type() is not None:  # a memory plan traces fake tensors: no bits are drawn, any pair will do
+    if tracing_a_plan():  # a memory plan traces fake tensors: no bits are drawn, any pair will do
         return 0, 0
     device = torch.device(device)
     if device.type == "cuda":

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from clipshard.parallel import traced_collectives as traced
-from clipshard.parallel.planned_layout import tracing_a_plan
+from clipshard.ops.planned_device import tracing_a_plan
 
 # Recent torch versions renamed the single-tensor collectives (deprecating the old names); older
 # versions only have the old names.

@@ -25,7 +25,7 @@ import torch
 from clipshard.parallel import collectives as cdist
 from clipshard.ops.distill_lse import distill_lse
 from clipshard.parallel.distill_two_pass import global_losses_two_passes
-from clipshard.parallel.planned_layout import tracing_a_plan
+from clipshard.ops.planned_device import tracing_a_plan
 from clipshard.parallel.distill_ring import partial_terms, ring_partials, weighted_rows
 
 

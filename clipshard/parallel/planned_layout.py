@@ -3,33 +3,12 @@
 A plan runs the loss on fake tensors over a fake process group, where the metadata exchange cannot
 run: it reads the ranks' rows to the host, and fake tensors hold no values. The plan states the
 layout instead (every rank has the same local batch and the same count of hard negatives, as
-plan_memory's arguments say), and shard_layout takes it from here after this rank's own checks.
+plan_memory's arguments say), and shard_layout takes it from here after this rank's own checks
+(while clipshard.ops.planned_device.tracing_a_plan() is true).
 """
-import contextlib
-import contextvars
-
 import torch.distributed as dist
 
 from clipshard.parallel.layout import ShardLayout
-
-_equal_shards = contextvars.ContextVar("clipshard_planned_equal_shards", default=False)
-
-
-@contextlib.contextmanager
-def equal_shards():
-    """Within the block, every rank of a process group is taken to hold this rank's batch sizes."""
-    token = _equal_shards.set(True)
-    try:
-        yield
-    finally:
-        _equal_shards.reset(token)
-
-
-def tracing_a_plan():
-    """Whether a memory plan is being traced. The decisions that read values across ranks then take
-    the ordinary training step's branch (every rank's upstream gradient of the loss alike), and a
-    check of this rank's inputs needs no exchange (every rank holds the same; GradCache's checks)."""
-    return _equal_shards.get()
 
 
 def planned_layout(group, batch, negatives):

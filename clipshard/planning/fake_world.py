@@ -15,7 +15,6 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from clipshard.ops.planned_device import rules_of
-from clipshard.parallel.planned_layout import equal_shards
 
 
 def _register_fake_backend():
@@ -63,5 +62,5 @@ def fake_world(world_size, device_type):
     FakeTensorMode."""
     _settle_autograd_threads()
     group = fake_process_group(world_size) if world_size > 1 else contextlib.nullcontext()
-    with group, equal_shards(), rules_of(device_type), FakeTensorMode() as mode:
+    with group, rules_of(device_type), FakeTensorMode() as mode:
         yield mode

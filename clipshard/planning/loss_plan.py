@@ -30,7 +30,7 @@ def planned_dtype(fn, dtype):
     return dtype
 
 
-def planned_device_type(fn, device):
+def checked_device_type(fn, device):
     """'cpu' or 'cuda' from a device or its name."""
     try:
         device_type = torch.device(device).type
@@ -127,7 +127,7 @@ def plan_loss(loss, *, world_size, batch_size, dim, dtype, hard_negatives, sampl
     positive_int(fn, "hard_negatives", hard_negatives, least=0)
     teacher_dim = dim if teacher_dim is None else positive_int(fn, "teacher_dim", teacher_dim)
     dtype = planned_dtype(fn, dtype)
-    device_type = planned_device_type(fn, device)
+    device_type = checked_device_type(fn, device)
     check_targets(fn, targets, sample_ids)
     check_loss(fn, loss)
 

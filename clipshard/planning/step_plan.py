@@ -51,7 +51,7 @@ from clipshard.losses import ClipLoss, DistillClipLoss, SigLipLoss
 from clipshard.planning.allocation_tracker import AllocationTracker
 from clipshard.planning.cuda_autocast_rules import cuda_autocast_rules
 from clipshard.planning.fake_world import fake_world
-from clipshard.planning.loss_plan import CUDA_ROUNDING, planned_device_type, positive_int
+from clipshard.planning.loss_plan import CUDA_ROUNDING, checked_device_type, positive_int
 from clipshard.planning.memory_plan import MemoryPlan
 
 FN = "plan_memory"
@@ -218,7 +218,7 @@ def plan_step(cache, *, world_size, batch_size, device, optimizer, autocast, inp
     """The MemoryPlan of one rank's GradCache training step (see clipshard.plan_memory)."""
     positive_int(FN, "world_size", world_size)
     positive_int(FN, "batch_size", batch_size)
-    device_type = planned_device_type(FN, device)
+    device_type = checked_device_type(FN, device)
     make_optimizer = _optimizer_factory(optimizer)
     autocast = _autocast_dtype(autocast)
     if inputs is not None and not callable(inputs):
