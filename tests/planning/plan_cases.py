@@ -132,6 +132,8 @@ def _cases():
     yield Case("clip local bf16", "clip", local_loss, **bf16, **modes)
     yield Case("clip ring bf16", "clip", ring, **bf16, **modes)
     yield Case("clip ring negatives ids bf16", "clip", ring, hard_negatives=NEGATIVES, targets="mask", **ids, **bf16)
+    yield Case("clip exchange fp16", "clip", exchange, dtype=torch.float16)
+    yield Case("clip ring fp16", "clip", ring, dtype=torch.float16, **modes)
 
     gather, siglip_ring = (), (("mode", "ring"),)
     yield Case("siglip gather", "siglip", gather)
@@ -145,6 +147,7 @@ def _cases():
     yield Case("siglip ring torch", "siglip", siglip_ring + (("algorithm", "torch"),), **modes)
     yield Case("siglip gather bf16", "siglip", gather, **bf16)
     yield Case("siglip ring negatives ids bf16", "siglip", siglip_ring, hard_negatives=NEGATIVES, **ids, **bf16)
+    yield Case("siglip ring fp16", "siglip", siglip_ring, dtype=torch.float16)
 
     yield Case("distill exchange", "distill", exchange)
     yield Case("distill exchange local_loss", "distill", exchange + local_loss, **modes)
@@ -156,6 +159,7 @@ def _cases():
     yield Case("distill exchange torch", "distill", exchange + (("algorithm", "torch"),))
     yield Case("distill exchange bf16", "distill", exchange, **bf16)
     yield Case("distill ring bf16", "distill", ring, **bf16, **modes)
+    yield Case("distill exchange fp16", "distill", exchange, dtype=torch.float16)
 
 
 CASES = tuple(_cases())
